@@ -1,0 +1,28 @@
+//! pdmesh compute kernels.
+//!
+//! The CPU implementation is the reference every other backend is checked
+//! against: each SIMD kernel has a scalar twin and a test on random inputs.
+//! A CUDA backend (kernels/cuda/*.cu via cudarc) will sit beside these with
+//! the same entry points; a machine without a GPU runs everything here.
+//!
+//! Entry points used by the engine: [`matmul::matmul`] over GGML-quantized
+//! weights ([`quant`]), [`norm::rms_norm`], [`rope::rope_row`],
+//! [`attention::attend_group`], [`activation::silu_mul`], and the fork-join
+//! [`pool::Pool`] they run on.
+
+pub mod activation;
+pub mod attention;
+pub mod dot;
+pub mod matmul;
+pub mod norm;
+pub mod pool;
+pub mod quant;
+pub mod rng;
+pub mod rope;
+
+pub use dot::Backend;
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    pub use crate::rng::Rng;
+}

@@ -1,0 +1,205 @@
+//! `Y = X · Wᵀ` for a quantized weight matrix W (`rows × cols`, one row per
+//! output feature, GGML layout) and a batch of activation rows X.
+//!
+//! Activations are quantized to [`BlockQ8`] once per call site, then every
+//! weight row is dotted against the batch in tiles of 32 activation rows
+//! (which stay in L1) and groups of 4 (which share each unpacked weight
+//! block). Output rows are split across the pool's threads.
+
+use crate::dot::{self, Backend};
+use crate::pool::{Pool, SyncPtr};
+use crate::quant::{quantize_q8, BlockQ4_1, BlockQ8, BlockQ8_0, QK};
+
+/// Weight storage a matmul accepts.
+#[derive(Clone, Copy, Debug)]
+pub enum QData<'a> {
+    Q4_1(&'a [BlockQ4_1]),
+    Q8_0(&'a [BlockQ8_0]),
+}
+
+/// A `rows × cols` block-quantized matrix, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct QMatrix<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: QData<'a>,
+}
+
+impl<'a> QMatrix<'a> {
+    /// Blocks per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.cols / QK
+    }
+    pub fn kind(&self) -> &'static str {
+        match self.data {
+            QData::Q4_1(_) => "q4_1",
+            QData::Q8_0(_) => "q8_0",
+        }
+    }
+}
+
+/// Activation rows quantized for the integer dot products.
+#[derive(Default)]
+pub struct QActs {
+    pub blocks: Vec<BlockQ8>,
+    pub rows: usize,
+    pub blocks_per_row: usize,
+}
+
+impl QActs {
+    pub fn row(&self, r: usize) -> &[BlockQ8] {
+        &self.blocks[r * self.blocks_per_row..(r + 1) * self.blocks_per_row]
+    }
+}
+
+/// Quantize `rows` rows of `cols` f32 values (cols a multiple of 32) into `out`,
+/// reusing its allocation.
+pub fn quantize_rows(pool: &Pool, x: &[f32], rows: usize, cols: usize, out: &mut QActs) {
+    assert_eq!(cols % QK, 0, "activation width must be a multiple of {QK}");
+    assert_eq!(x.len(), rows * cols);
+    let nb = cols / QK;
+    out.blocks.resize(rows * nb, BlockQ8::default());
+    out.rows = rows;
+    out.blocks_per_row = nb;
+    let dst = SyncPtr::new(&mut out.blocks);
+    let per_task = rows.div_ceil(pool.threads() * 2).max(1);
+    pool.run(rows.div_ceil(per_task), |t| {
+        let r0 = t * per_task;
+        let r1 = (r0 + per_task).min(rows);
+        // SAFETY: tasks cover disjoint row ranges.
+        let o = unsafe { dst.slice(r0 * nb, (r1 - r0) * nb) };
+        quantize_q8(&x[r0 * cols..r1 * cols], o);
+    });
+}
+
+/// Activation rows that share one pass over a weight row.
+const TILE_B: usize = 32;
+
+/// `out[b * w.rows + r] = dot(W[r], X[b])` for every b in X and r in W.
+pub fn matmul(be: Backend, pool: &Pool, w: &QMatrix<'_>, x: &QActs, out: &mut [f32]) {
+    assert_eq!(x.blocks_per_row, w.blocks_per_row(), "matmul width mismatch");
+    assert_eq!(out.len(), x.rows * w.rows);
+    let rows = w.rows;
+    // Enough tasks to balance the threads, each a multiple of 4 rows.
+    let per_task = (rows.div_ceil(pool.threads() * 8)).next_multiple_of(4).max(4);
+    let n_tasks = rows.div_ceil(per_task);
+    let dst = SyncPtr(out.as_mut_ptr());
+    pool.run(n_tasks, |t| {
+        let r0 = t * per_task;
+        let r1 = (r0 + per_task).min(rows);
+        for b0 in (0..x.rows).step_by(TILE_B) {
+            let b1 = (b0 + TILE_B).min(x.rows);
+            for r in r0..r1 {
+                // SAFETY: each task writes only its own rows r0..r1 of every output row.
+                unsafe { dot_row_into(be, w, r, x, b0, b1, dst, rows) };
+            }
+        }
+    });
+}
+
+/// Dot weight row `r` with activation rows `b0..b1`, writing `out[b * stride + r]`.
+#[inline]
+unsafe fn dot_row_into(
+    be: Backend,
+    w: &QMatrix<'_>,
+    r: usize,
+    x: &QActs,
+    b0: usize,
+    b1: usize,
+    dst: SyncPtr<f32>,
+    stride: usize,
+) {
+    let nb = w.blocks_per_row();
+    let mut b = b0;
+    macro_rules! run {
+        ($n:literal, $f:path, $row:expr) => {{
+            let xs: [&[BlockQ8]; $n] = std::array::from_fn(|i| x.row(b + i));
+            let v = $f($row, xs);
+            for (i, val) in v.iter().enumerate() {
+                *dst.0.add((b + i) * stride + r) = *val;
+            }
+            b += $n;
+        }};
+    }
+    match (be, w.data) {
+        #[cfg(target_arch = "x86_64")]
+        (Backend::Avx2, QData::Q4_1(blocks)) => {
+            let row = &blocks[r * nb..(r + 1) * nb];
+            while b + 4 <= b1 {
+                run!(4, dot::avx2::dot_q4_1, row);
+            }
+            while b < b1 {
+                run!(1, dot::avx2::dot_q4_1, row);
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Backend::Avx2, QData::Q8_0(blocks)) => {
+            let row = &blocks[r * nb..(r + 1) * nb];
+            while b + 4 <= b1 {
+                run!(4, dot::avx2::dot_q8_0, row);
+            }
+            while b < b1 {
+                run!(1, dot::avx2::dot_q8_0, row);
+            }
+        }
+        (_, QData::Q4_1(blocks)) => {
+            let row = &blocks[r * nb..(r + 1) * nb];
+            while b < b1 {
+                run!(1, dot::scalar::dot_q4_1, row);
+            }
+        }
+        (_, QData::Q8_0(blocks)) => {
+            let row = &blocks[r * nb..(r + 1) * nb];
+            while b < b1 {
+                run!(1, dot::scalar::dot_q8_0, row);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize_q4_1, quantize_q4_1};
+    use crate::testutil::Rng;
+
+    #[test]
+    fn matmul_matches_naive_float_reference_for_any_batch() {
+        let pool = Pool::new(2);
+        let mut rng = Rng::new(3);
+        let (rows, cols) = (37, 96);
+        let w = rng.normal_vec(rows * cols);
+        let mut wq = vec![BlockQ4_1::default(); rows * cols / QK];
+        quantize_q4_1(&w, &mut wq);
+        let mut wd = vec![0f32; rows * cols];
+        dequantize_q4_1(&wq, &mut wd);
+        let m = QMatrix { rows, cols, data: QData::Q4_1(&wq) };
+        for be in [Backend::Scalar, Backend::detect()] {
+            for batch in [1usize, 3, 4, 33, 70] {
+                let x = rng.normal_vec(batch * cols);
+                let mut qa = QActs::default();
+                quantize_rows(&pool, &x, batch, cols, &mut qa);
+                // Poison the output so unwritten cells show up.
+                let mut out = vec![f32::NAN; batch * rows];
+                matmul(be, &pool, &m, &qa, &mut out);
+                for b in 0..batch {
+                    for r in 0..rows {
+                        let exact: f32 = (0..cols).map(|c| wd[r * cols + c] * x[b * cols + c]).sum();
+                        let got = out[b * rows + r];
+                        // 8-bit activations: error bounded relative to the norms.
+                        let nw: f32 = wd[r * cols..(r + 1) * cols].iter().map(|v| v * v).sum();
+                        let nx: f32 = x[b * cols..(b + 1) * cols].iter().map(|v| v * v).sum();
+                        let tol = 0.02 * (nw * nx).sqrt();
+                        assert!((exact - got).abs() < tol, "{be:?} b={b} r={r}: {exact} vs {got}");
+                    }
+                }
+                // A row computed alone equals the same row computed in the batch.
+                let mut qa1 = QActs::default();
+                quantize_rows(&pool, &x[(batch - 1) * cols..], 1, cols, &mut qa1);
+                let mut out1 = vec![f32::NAN; rows];
+                matmul(be, &pool, &m, &qa1, &mut out1);
+                assert_eq!(&out1[..], &out[(batch - 1) * rows..]);
+            }
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! A small fork-join thread pool tuned for many short parallel loops.
+//!
+//! A decode step at batch 1 launches a few hundred parallel loops that each
+//! last tens of microseconds, so waking sleeping threads through the OS on
+//! every loop (what a general work-stealing pool does) would cost more than
+//! the work. Workers here spin briefly on an epoch counter after each loop
+//! and only then park on a condition variable, so back-to-back loops within
+//! one forward pass never sleep, and an idle process does not burn CPU.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// How many spin iterations a worker waits for the next loop before parking.
+const SPIN_ITERS: u32 = 1 << 16;
+
+type Job<'a> = &'a (dyn Fn(usize) + Sync);
+
+struct Shared {
+    /// The current job, valid while `epoch` is odd-numbered work is pending.
+    job: Mutex<Option<Job<'static>>>,
+    epoch: AtomicU64,
+    next: AtomicUsize,
+    n_tasks: AtomicUsize,
+    /// Workers that have not yet finished the current epoch.
+    busy: AtomicUsize,
+    panicked: AtomicBool,
+    shutdown: AtomicBool,
+    sleep_lock: Mutex<()>,
+    wake: Condvar,
+}
+
+/// Fork-join pool: `run(n, f)` calls `f(0..n)` on the caller and the workers.
+pub struct Pool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serialises callers: one parallel loop at a time per pool.
+    run_lock: Mutex<()>,
+}
+
+impl Pool {
+    /// A pool that runs loops on `threads` threads in all (the caller counts
+    /// as one, so `threads - 1` workers are spawned). `threads == 0` means the
+    /// machine's available parallelism.
+    pub fn new(threads: usize) -> Pool {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            threads
+        };
+        let shared = Arc::new(Shared {
+            job: Mutex::new(None),
+            epoch: AtomicU64::new(0),
+            next: AtomicUsize::new(0),
+            n_tasks: AtomicUsize::new(0),
+            busy: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            sleep_lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let workers = (1..threads)
+            .map(|i| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("pdmesh-kernel-{i}"))
+                    .spawn(move || worker_loop(&shared))
+                    .expect("spawning a kernel worker thread")
+            })
+            .collect();
+        Pool { shared, workers, run_lock: Mutex::new(()) }
+    }
+
+    /// Number of threads a loop runs on (caller included).
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Calls `f(i)` for every `i in 0..n_tasks`, spread over the pool's
+    /// threads, and returns when all calls have returned. A panic in any call
+    /// is re-raised here after the loop has drained.
+    pub fn run<F: Fn(usize) + Sync>(&self, n_tasks: usize, f: F) {
+        if n_tasks == 0 {
+            return;
+        }
+        if n_tasks == 1 || self.workers.is_empty() {
+            (0..n_tasks).for_each(f);
+            return;
+        }
+        let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        let job: Job<'_> = &f;
+        // SAFETY: the reference is only used until `busy` drops to zero,
+        // which this function waits for before returning, so it never
+        // outlives `f`.
+        let job: Job<'static> = unsafe { std::mem::transmute::<Job<'_>, Job<'static>>(job) };
+        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(job);
+        s.next.store(0, Ordering::Relaxed);
+        s.n_tasks.store(n_tasks, Ordering::Relaxed);
+        s.busy.store(self.workers.len(), Ordering::Relaxed);
+        s.panicked.store(false, Ordering::Relaxed);
+        s.epoch.fetch_add(1, Ordering::Release);
+        {
+            let _l = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        let mine = catch_unwind(AssertUnwindSafe(|| drain(s, job)));
+        while s.busy.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        if let Err(p) = mine {
+            std::panic::resume_unwind(p);
+        }
+        if s.panicked.load(Ordering::Relaxed) {
+            panic!("a kernel task panicked on a worker thread");
+        }
+    }
+}
+
+fn drain(s: &Shared, job: Job<'_>) {
+    let n = s.n_tasks.load(Ordering::Relaxed);
+    loop {
+        let i = s.next.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            break;
+        }
+        job(i);
+    }
+}
+
+fn worker_loop(s: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        // Wait for a new epoch: spin first, then park.
+        let mut spins = 0u32;
+        loop {
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            let e = s.epoch.load(Ordering::Acquire);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            if spins < SPIN_ITERS {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+                if s.epoch.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Acquire) {
+                    drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
+                }
+            }
+        }
+        let job = *s.job.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(job) = job {
+            if catch_unwind(AssertUnwindSafe(|| drain(s, job))).is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
+        }
+        s.busy.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        {
+            let _l = self.shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A raw pointer that parallel tasks may share to write disjoint parts of one
+/// output buffer. Each user must guarantee that tasks touch disjoint indices.
+#[derive(Clone, Copy)]
+pub struct SyncPtr<T>(pub *mut T);
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    pub fn new(s: &mut [T]) -> Self {
+        SyncPtr(s.as_mut_ptr())
+    }
+    /// # Safety
+    /// `off..off+len` must be in bounds and not aliased by another task.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice(&self, off: usize, len: usize) -> &mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(off), len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_every_task_exactly_once() {
+        let pool = Pool::new(3);
+        for n in [1usize, 2, 7, 100, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, |i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
+        }
+    }
+
+    #[test]
+    fn panic_in_task_is_reraised_and_pool_survives() {
+        let pool = Pool::new(2);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(64, |i| {
+                if i == 40 {
+                    panic!("boom");
+                }
+            })
+        }));
+        assert!(r.is_err());
+        let count = AtomicUsize::new(0);
+        pool.run(10, |_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 10);
+    }
+}
