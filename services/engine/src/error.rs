@@ -1,0 +1,69 @@
+//! The engine's one error type. Each variant is classified once, here, with
+//! a short `kind()` used as a metric label by the services above.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot read model file {path}: {source}")]
+    ModelIo { path: PathBuf, source: std::io::Error },
+    #[error("invalid model file {path}: {why}")]
+    BadModel { path: PathBuf, why: String },
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt has {len} tokens; with max_tokens {max_tokens} it needs {needed} positions but the context holds {context}")]
+    PromptTooLong { len: usize, max_tokens: usize, needed: usize, context: usize },
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+    #[error("KV cache full: {needed} blocks needed, {free} of {total} free")]
+    KvFull { needed: usize, free: usize, total: usize },
+    #[error("unknown sequence {0}")]
+    UnknownSequence(u64),
+    #[error("KV import rejected: {0}")]
+    KvMismatch(String),
+    #[error("model fetch failed: {0}")]
+    Fetch(String),
+}
+
+impl EngineError {
+    /// Short label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EngineError::ModelIo { .. } => "model_io",
+            EngineError::BadModel { .. } => "bad_model",
+            EngineError::Unsupported(_) => "unsupported",
+            EngineError::Tokenizer(_) => "tokenizer",
+            EngineError::Template(_) => "template",
+            EngineError::InvalidArgument(_) => "invalid_argument",
+            EngineError::EmptyPrompt => "empty_prompt",
+            EngineError::PromptTooLong { .. } => "prompt_too_long",
+            EngineError::BadToken(_) => "bad_token",
+            EngineError::KvFull { .. } => "kv_full",
+            EngineError::UnknownSequence(_) => "unknown_sequence",
+            EngineError::KvMismatch(_) => "kv_mismatch",
+            EngineError::Fetch(_) => "fetch",
+        }
+    }
+
+    /// True when the caller sent something wrong (maps to INVALID_ARGUMENT / 400).
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            EngineError::InvalidArgument(_)
+                | EngineError::EmptyPrompt
+                | EngineError::PromptTooLong { .. }
+                | EngineError::BadToken(_)
+                | EngineError::Template(_)
+        )
+    }
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

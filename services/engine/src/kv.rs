@@ -1,0 +1,249 @@
+//! Paged KV cache: one arena of fixed-size blocks, each holding `block_size`
+//! positions of every layer's keys and values in f16.
+//!
+//! A block is the unit that moves between processes: a sequence's KV is the
+//! concatenation of its blocks' bytes, in block-table order. Inside a block
+//! the layout is `[layer][k|v][kv_head][slot][head_dim]`, so one head's keys
+//! for the block's positions are contiguous (what attention reads), and a
+//! whole block is one contiguous byte range (what a transfer writes).
+
+use half::f16;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+
+/// Shape of the cache; two caches can exchange blocks only if equal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl KvLayout {
+    /// f16 values per block.
+    pub fn block_elems(&self) -> usize {
+        self.block_size * self.n_layers * 2 * self.n_kv_heads * self.head_dim
+    }
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems() * 2
+    }
+    /// Element offset of (layer, k=0/v=1, head, slot) inside a block.
+    #[inline]
+    pub fn offset_in_block(&self, layer: usize, kv: usize, head: usize, slot: usize) -> usize {
+        (((layer * 2 + kv) * self.n_kv_heads + head) * self.block_size + slot) * self.head_dim
+    }
+    /// Blocks needed for `n` positions.
+    pub fn blocks_for(&self, n: usize) -> usize {
+        n.div_ceil(self.block_size)
+    }
+}
+
+/// A sequence's KV in transferable form: the bytes of its blocks, in order,
+/// plus what the receiver needs to check and use them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvBlob {
+    pub layout: KvLayout,
+    /// Positions filled (the rest of the last block is padding).
+    pub n_tokens: usize,
+    pub bytes: Vec<u8>,
+}
+
+// The wire format is little-endian f16; on little-endian hosts that is the
+// in-memory representation, so blocks move with a plain copy.
+#[cfg(not(target_endian = "little"))]
+compile_error!("the KV wire format assumes a little-endian host");
+
+fn f16_bytes(v: &[f16]) -> &[u8] {
+    // SAFETY: f16 is a 2-byte plain value with no padding.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 2) }
+}
+
+fn f16_bytes_mut(v: &mut [f16]) -> &mut [u8] {
+    // SAFETY: as above; every bit pattern is a valid f16.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 2) }
+}
+
+pub struct KvCache {
+    pub layout: KvLayout,
+    data: Vec<f16>,
+    free: Vec<u32>,
+    n_blocks: usize,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache").field("layout", &self.layout).field("used", &self.used()).field("total", &self.n_blocks).finish()
+    }
+}
+
+impl KvCache {
+    pub fn new(layout: KvLayout, n_blocks: usize) -> KvCache {
+        KvCache {
+            layout,
+            data: vec![f16::ZERO; layout.block_elems() * n_blocks],
+            // Pop from the end: lowest ids first.
+            free: (0..n_blocks as u32).rev().collect(),
+            n_blocks,
+        }
+    }
+
+    pub fn total(&self) -> usize {
+        self.n_blocks
+    }
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+    pub fn used(&self) -> usize {
+        self.n_blocks - self.free.len()
+    }
+
+    /// Take `n` blocks, or none at all if fewer are free.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>> {
+        if n > self.free.len() {
+            return Err(EngineError::KvFull { needed: n, free: self.free.len(), total: self.n_blocks });
+        }
+        Ok(self.free.split_off(self.free.len() - n))
+    }
+
+    /// Return blocks to the free list. Ids out of range are ignored.
+    pub fn release(&mut self, blocks: &[u32]) {
+        for b in blocks {
+            if (*b as usize) < self.n_blocks {
+                debug_assert!(!self.free.contains(b), "double free of KV block {b}");
+                self.free.push(*b);
+            }
+        }
+    }
+
+    /// Store one head's key (kv=0) or value (kv=1) row for position `pos`.
+    pub fn write(&mut self, blocks: &[u32], layer: usize, kv: usize, head: usize, pos: usize, row: &[f32]) {
+        let l = self.layout;
+        let base = blocks[pos / l.block_size] as usize * l.block_elems();
+        let off = base + l.offset_in_block(layer, kv, head, pos % l.block_size);
+        pdmesh_kernels::attention::f32_to_f16_slice(row, &mut self.data[off..off + l.head_dim]);
+    }
+
+    /// Gather positions `0..n` of one head's keys or values into `dst`
+    /// (`n * head_dim` f32).
+    pub fn gather(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, dst: &mut [f32]) {
+        let l = self.layout;
+        let mut pos = 0;
+        for b in blocks {
+            if pos >= n {
+                break;
+            }
+            let take = (n - pos).min(l.block_size);
+            let off = *b as usize * l.block_elems() + l.offset_in_block(layer, kv, head, 0);
+            pdmesh_kernels::attention::f16_to_f32_slice(
+                &self.data[off..off + take * l.head_dim],
+                &mut dst[pos * l.head_dim..(pos + take) * l.head_dim],
+            );
+            pos += take;
+        }
+        assert_eq!(pos, n, "block table too short for {n} positions");
+    }
+
+    fn block_range(&self, b: u32) -> std::ops::Range<usize> {
+        let e = self.layout.block_elems();
+        b as usize * e..(b as usize + 1) * e
+    }
+
+    /// Bytes of a sequence's blocks covering `n_tokens` positions.
+    pub fn export(&self, blocks: &[u32], n_tokens: usize) -> Result<KvBlob> {
+        let need = self.layout.blocks_for(n_tokens);
+        if blocks.len() < need {
+            return Err(EngineError::KvMismatch(format!("{n_tokens} tokens need {need} blocks, sequence has {}", blocks.len())));
+        }
+        let mut bytes = Vec::with_capacity(need * self.layout.block_bytes());
+        for b in &blocks[..need] {
+            bytes.extend_from_slice(f16_bytes(&self.data[self.block_range(*b)]));
+        }
+        Ok(KvBlob { layout: self.layout, n_tokens, bytes })
+    }
+
+    /// Write a blob into `blocks` (which must be this sequence's own, already allocated).
+    pub fn import(&mut self, blocks: &[u32], blob: &KvBlob) -> Result<()> {
+        if blob.layout != self.layout {
+            return Err(EngineError::KvMismatch(format!("layout {:?} does not match this cache's {:?}", blob.layout, self.layout)));
+        }
+        let need = self.layout.blocks_for(blob.n_tokens);
+        if blob.bytes.len() != need * self.layout.block_bytes() {
+            return Err(EngineError::KvMismatch(format!(
+                "{} bytes for {} tokens; expected {}",
+                blob.bytes.len(),
+                blob.n_tokens,
+                need * self.layout.block_bytes()
+            )));
+        }
+        if blocks.len() < need {
+            return Err(EngineError::KvMismatch(format!("{need} blocks needed, {} reserved", blocks.len())));
+        }
+        let bb = self.layout.block_bytes();
+        for (i, b) in blocks[..need].iter().enumerate() {
+            let r = self.block_range(*b);
+            let src = &blob.bytes[i * bb..(i + 1) * bb];
+            f16_bytes_mut(&mut self.data[r]).copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout { n_layers: 2, n_kv_heads: 3, head_dim: 8, block_size: 4 }
+    }
+
+    #[test]
+    fn allocate_is_all_or_nothing_and_release_returns_blocks() {
+        let mut kv = KvCache::new(layout(), 5);
+        let a = kv.allocate(3).unwrap();
+        assert_eq!(kv.used(), 3);
+        assert!(matches!(kv.allocate(3), Err(EngineError::KvFull { needed: 3, free: 2, total: 5 })));
+        assert_eq!(kv.used(), 3, "a failed allocation takes nothing");
+        kv.release(&a);
+        assert_eq!(kv.free_blocks(), 5);
+        let b = kv.allocate(5).unwrap();
+        let mut sorted = b.clone();
+        sorted.sort();
+        assert_eq!(sorted, vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn write_gather_export_import_roundtrip() {
+        let l = layout();
+        let mut a = KvCache::new(l, 4);
+        let blocks = a.allocate(3).unwrap();
+        let n = 10;
+        for pos in 0..n {
+            for layer in 0..2 {
+                for kv in 0..2 {
+                    for h in 0..3 {
+                        let row: Vec<f32> = (0..8).map(|d| (pos * 1000 + layer * 100 + kv * 10 + h) as f32 + d as f32 * 0.5).collect();
+                        a.write(&blocks, layer, kv, h, pos, &row);
+                    }
+                }
+            }
+        }
+        let blob = a.export(&blocks, n).unwrap();
+        assert_eq!(blob.bytes.len(), 3 * l.block_bytes());
+        let mut b = KvCache::new(l, 6);
+        let _skip = b.allocate(2).unwrap();
+        let dst = b.allocate(3).unwrap();
+        b.import(&dst, &blob).unwrap();
+        let mut ga = vec![f32::NAN; n * 8];
+        let mut gb = vec![f32::NAN; n * 8];
+        a.gather(&blocks, 1, 1, 2, n, &mut ga);
+        b.gather(&dst, 1, 1, 2, n, &mut gb);
+        assert_eq!(ga, gb);
+        assert_eq!(ga[9 * 8], 9112.0);
+        let wrong = KvBlob { layout: KvLayout { head_dim: 4, ..l }, ..blob.clone() };
+        assert!(b.import(&dst, &wrong).is_err());
+        let short = KvBlob { bytes: blob.bytes[1..].to_vec(), ..blob };
+        assert!(b.import(&dst, &short).is_err());
+    }
+}

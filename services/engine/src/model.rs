@@ -1,0 +1,339 @@
+//! Llama forward pass over a batch of sequence chunks.
+//!
+//! All tokens of a batch (prompt chunks and single decode tokens alike) are
+//! stacked into one activation matrix, so every weight is read once per step
+//! whatever the batch; attention runs per sequence against the paged cache.
+//! Each token's arithmetic is independent of its neighbours in the batch, so
+//! a sequence gets bit-identical logits alone, batched, or chunked.
+
+use std::cell::RefCell;
+use std::path::Path;
+
+use pdmesh_kernels::attention::attend_group;
+use pdmesh_kernels::matmul::{matmul, quantize_rows, QActs, QData, QMatrix};
+use pdmesh_kernels::pool::{Pool, SyncPtr};
+use pdmesh_kernels::quant::{cast_blocks, dequantize_q4_1, dequantize_q8_0, BlockQ4_1, BlockQ8_0, QK};
+use pdmesh_kernels::{activation, norm, rope, Backend};
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::gguf::{Gguf, TensorType};
+use crate::kv::KvCache;
+
+/// An owned quantized matrix (rows = output features).
+pub struct Weight {
+    rows: usize,
+    cols: usize,
+    data: WeightData,
+}
+
+enum WeightData {
+    Q4_1(Vec<BlockQ4_1>),
+    Q8_0(Vec<BlockQ8_0>),
+}
+
+impl Weight {
+    fn load(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let info = g.tensor(name)?;
+        let bad = |why: String| EngineError::BadModel { path: g.path.clone(), why: format!("tensor {name}: {why}") };
+        if info.dims.len() != 2 || info.dims[0] as usize != cols || info.dims[1] as usize != rows {
+            return Err(bad(format!("shape {:?}, expected [{cols}, {rows}]", info.dims)));
+        }
+        if cols % QK != 0 {
+            return Err(bad(format!("row length {cols} is not a multiple of {QK}")));
+        }
+        let bytes = g.tensor_bytes(info);
+        let data = match info.ty {
+            TensorType::Q4_1 => WeightData::Q4_1(cast_blocks::<BlockQ4_1>(bytes).ok_or_else(|| bad("misaligned".into()))?.to_vec()),
+            TensorType::Q8_0 => WeightData::Q8_0(cast_blocks::<BlockQ8_0>(bytes).ok_or_else(|| bad("misaligned".into()))?.to_vec()),
+            other => return Err(EngineError::Unsupported(format!("tensor {name} has type {other:?}; matmuls support Q4_1 and Q8_0"))),
+        };
+        Ok(Weight { rows, cols, data })
+    }
+
+    pub fn matrix(&self) -> QMatrix<'_> {
+        let data = match &self.data {
+            WeightData::Q4_1(b) => QData::Q4_1(b),
+            WeightData::Q8_0(b) => QData::Q8_0(b),
+        };
+        QMatrix { rows: self.rows, cols: self.cols, data }
+    }
+
+    fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        let nb = self.cols / QK;
+        match &self.data {
+            WeightData::Q4_1(b) => dequantize_q4_1(&b[r * nb..(r + 1) * nb], out),
+            WeightData::Q8_0(b) => dequantize_q8_0(&b[r * nb..(r + 1) * nb], out),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match &self.data {
+            WeightData::Q4_1(b) => b.len() * std::mem::size_of::<BlockQ4_1>(),
+            WeightData::Q8_0(b) => b.len() * std::mem::size_of::<BlockQ8_0>(),
+        }
+    }
+}
+
+fn load_f32(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
+    let info = g.tensor(name)?;
+    if info.ty != TensorType::F32 || info.elements() as usize != len {
+        return Err(EngineError::BadModel { path: g.path.clone(), why: format!("tensor {name}: expected {len} f32 values") });
+    }
+    Ok(g.tensor_bytes(info).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
+    ffn_norm: Vec<f32>,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    layers: Vec<Layer>,
+    tok_embd: Weight,
+    output_norm: Vec<f32>,
+    /// `None` when the output projection is tied to the token embedding.
+    output: Option<Weight>,
+    pub backend: Backend,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("config", &self.config).finish()
+    }
+}
+
+/// One sequence's share of a forward step.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchItem<'a> {
+    /// Tokens to feed, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    /// The sequence's block table (covering at least the last position).
+    pub blocks: &'a [u32],
+    /// Return logits for the last token of this item.
+    pub logits: bool,
+}
+
+/// Reusable activation buffers for one engine.
+#[derive(Default)]
+pub struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    qa: QActs,
+}
+
+thread_local! {
+    /// Per-thread attention scratch: gathered keys, values and scores.
+    static ATT_SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
+/// Query positions one attention task handles (they share one gather).
+const ATT_CHUNK: usize = 32;
+
+impl Model {
+    pub fn load(path: &Path) -> Result<(Model, Gguf)> {
+        let g = Gguf::open(path)?;
+        let model = Model::from_gguf(&g)?;
+        Ok((model, g))
+    }
+
+    pub fn from_gguf(g: &Gguf) -> Result<Model> {
+        let c = ModelConfig::from_gguf(g)?;
+        let (d, kvd, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: load_f32(g, &n("attn_norm"), d)?,
+                wq: Weight::load(g, &n("attn_q"), d, d)?,
+                wk: Weight::load(g, &n("attn_k"), kvd, d)?,
+                wv: Weight::load(g, &n("attn_v"), kvd, d)?,
+                wo: Weight::load(g, &n("attn_output"), d, d)?,
+                ffn_norm: load_f32(g, &n("ffn_norm"), d)?,
+                w_gate: Weight::load(g, &n("ffn_gate"), ff, d)?,
+                w_up: Weight::load(g, &n("ffn_up"), ff, d)?,
+                w_down: Weight::load(g, &n("ffn_down"), d, ff)?,
+            });
+        }
+        let tok_embd = Weight::load(g, "token_embd.weight", c.vocab_size, d)?;
+        let output = match g.tensors.contains_key("output.weight") {
+            true => Some(Weight::load(g, "output.weight", c.vocab_size, d)?),
+            false => None,
+        };
+        Ok(Model {
+            output_norm: load_f32(g, "output_norm.weight", d)?,
+            config: c,
+            layers,
+            tok_embd,
+            output,
+            backend: Backend::detect(),
+        })
+    }
+
+    /// Bytes of weights held in memory.
+    pub fn weight_bytes(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|w| w.bytes()).sum::<usize>()
+                    + (l.attn_norm.len() + l.ffn_norm.len()) * 4
+            })
+            .sum();
+        l + self.tok_embd.bytes() + self.output.as_ref().map_or(0, |w| w.bytes()) + self.output_norm.len() * 4
+    }
+
+    /// Run one step. Returns `vocab_size` logits for each item with
+    /// `logits: true`, in item order, concatenated.
+    pub fn forward(&self, pool: &Pool, kv: &mut KvCache, batch: &[BatchItem<'_>], s: &mut Scratch) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let be = self.backend;
+        let (d, kvd, ff, hd) = (c.n_embd, c.kv_dim(), c.n_ff, c.head_dim);
+        let n_tok: usize = batch.iter().map(|b| b.tokens.len()).sum();
+        if n_tok == 0 {
+            return Ok(Vec::new());
+        }
+        for item in batch {
+            let end = item.start_pos + item.tokens.len();
+            if end > c.context_length || kv.layout.blocks_for(end) > item.blocks.len() {
+                return Err(EngineError::InvalidArgument(format!("positions up to {end} exceed the sequence's KV reservation")));
+            }
+            if let Some(t) = item.tokens.iter().find(|t| **t as usize >= c.vocab_size) {
+                return Err(EngineError::BadToken(*t));
+            }
+        }
+        s.x.resize(n_tok * d, 0.0);
+        let mut row = 0;
+        for item in batch {
+            for t in item.tokens {
+                self.tok_embd.dequant_row(*t as usize, &mut s.x[row * d..(row + 1) * d]);
+                row += 1;
+            }
+        }
+        s.xn.resize(n_tok * d, 0.0);
+        s.q.resize(n_tok * d, 0.0);
+        s.k.resize(n_tok * kvd, 0.0);
+        s.v.resize(n_tok * kvd, 0.0);
+        s.att.resize(n_tok * d, 0.0);
+        s.proj.resize(n_tok * d, 0.0);
+        s.gate.resize(n_tok * ff, 0.0);
+        s.up.resize(n_tok * ff, 0.0);
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn);
+            quantize_rows(pool, &s.xn, n_tok, d, &mut s.qa);
+            matmul(be, pool, &layer.wq.matrix(), &s.qa, &mut s.q);
+            matmul(be, pool, &layer.wk.matrix(), &s.qa, &mut s.k);
+            matmul(be, pool, &layer.wv.matrix(), &s.qa, &mut s.v);
+            let mut row = 0;
+            for item in batch {
+                for i in 0..item.tokens.len() {
+                    let pos = item.start_pos + i;
+                    rope::rope_row(&mut s.q[row * d..(row + 1) * d], hd, c.rope_dims, pos, c.rope_base);
+                    rope::rope_row(&mut s.k[row * kvd..(row + 1) * kvd], hd, c.rope_dims, pos, c.rope_base);
+                    for h in 0..c.n_kv_heads {
+                        kv.write(item.blocks, li, 0, h, pos, &s.k[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
+                        kv.write(item.blocks, li, 1, h, pos, &s.v[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
+                    }
+                    row += 1;
+                }
+            }
+            self.attention(pool, kv, batch, li, &s.q, &mut s.att);
+            quantize_rows(pool, &s.att, n_tok, d, &mut s.qa);
+            matmul(be, pool, &layer.wo.matrix(), &s.qa, &mut s.proj);
+            s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
+
+            // Feed-forward block.
+            norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn);
+            quantize_rows(pool, &s.xn, n_tok, d, &mut s.qa);
+            matmul(be, pool, &layer.w_gate.matrix(), &s.qa, &mut s.gate);
+            matmul(be, pool, &layer.w_up.matrix(), &s.qa, &mut s.up);
+            activation::silu_mul(&mut s.gate, &s.up);
+            quantize_rows(pool, &s.gate, n_tok, ff, &mut s.qa);
+            matmul(be, pool, &layer.w_down.matrix(), &s.qa, &mut s.proj);
+            s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
+        }
+
+        // Output head, only for the rows that want logits.
+        let mut rows = Vec::new();
+        let mut row = 0;
+        for item in batch {
+            row += item.tokens.len();
+            if item.logits {
+                rows.push(row - 1);
+            }
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut last = Vec::with_capacity(rows.len() * d);
+        for r in &rows {
+            last.extend_from_slice(&s.x[r * d..(r + 1) * d]);
+        }
+        let mut normed = vec![0f32; last.len()];
+        norm::rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
+        quantize_rows(pool, &normed, rows.len(), d, &mut s.qa);
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let mut logits = vec![0f32; rows.len() * c.vocab_size];
+        matmul(be, pool, &head.matrix(), &s.qa, &mut logits);
+        Ok(logits)
+    }
+
+    /// Causal attention of every batch token against its sequence's cache.
+    fn attention(&self, pool: &Pool, kv: &KvCache, batch: &[BatchItem<'_>], layer: usize, q: &[f32], out: &mut [f32]) {
+        let c = &self.config;
+        let (d, hd, group) = (c.n_embd, c.head_dim, c.group());
+        // Tasks: (item, kv head, chunk of query positions).
+        let mut tasks = Vec::new();
+        let mut row0 = 0;
+        for (i, item) in batch.iter().enumerate() {
+            let n = item.tokens.len();
+            for h in 0..c.n_kv_heads {
+                for q0 in (0..n).step_by(ATT_CHUNK) {
+                    tasks.push((i, h, row0, q0, (q0 + ATT_CHUNK).min(n)));
+                }
+            }
+            row0 += n;
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let be = self.backend;
+        let dst = SyncPtr::new(out);
+        pool.run(tasks.len(), |t| {
+            let (i, h, row0, q0, q1) = tasks[t];
+            let item = &batch[i];
+            let n_ctx = item.start_pos + q1;
+            ATT_SCRATCH.with(|cell| {
+                let (keys, vals, scores) = &mut *cell.borrow_mut();
+                keys.resize(n_ctx * hd, 0.0);
+                vals.resize(n_ctx * hd, 0.0);
+                kv.gather(item.blocks, layer, 0, h, n_ctx, keys);
+                kv.gather(item.blocks, layer, 1, h, n_ctx, vals);
+                for qi in q0..q1 {
+                    let r = row0 + qi;
+                    let cols = r * d + h * group * hd..r * d + (h + 1) * group * hd;
+                    // SAFETY: each (row, kv head) output range belongs to exactly one task.
+                    let o = unsafe { dst.slice(cols.start, cols.len()) };
+                    let visible = item.start_pos + qi + 1;
+                    attend_group(be, &q[cols], keys, vals, visible, hd, scale, scores, o);
+                }
+            });
+        });
+    }
+}
