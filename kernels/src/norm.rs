@@ -6,7 +6,8 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), out.len());
     assert_eq!(x.len() % d, 0);
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f64 = xr.iter().map(|v| (*v as f64) * (*v as f64)).sum();
+        // Squares in f32, summed in f64, as ggml does.
+        let ss: f64 = xr.iter().map(|v| (v * v) as f64).sum();
         let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
         for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * w;

@@ -49,22 +49,31 @@ pub fn f16_to_f32(bits: u16) -> f32 {
 }
 
 /// Quantize `x` (length a multiple of 32) into `out` (len / 32 blocks).
-/// Rounds to nearest, like GGML's `quantize_row_q8_1`.
+///
+/// Mirrors GGML's `quantize_row_q8_1` bit for bit where it matters for
+/// agreement with llama.cpp: scale `127 / amax`, round half to even, and the
+/// block scale `d` (and `s = d * Σq`) rounded through f16 as GGML stores them.
 pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
     debug_assert_eq!(x.len(), out.len() * QK);
     for (chunk, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in b.qs.iter_mut().zip(chunk) {
-            let r = (v * id).round() as i32;
+            let r = (v * id).round_ties_even() as i32;
             *q = r as i8;
             sum += r;
         }
-        b.d = d;
-        b.s = d * sum as f32;
+        b.d = round_f16(d);
+        b.s = round_f16(d * sum as f32);
     }
+}
+
+/// `x` rounded to the nearest f16 and back.
+#[inline]
+pub fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
 }
 
 /// Dequantize Q4_1 blocks into f32 (reference and for tests).

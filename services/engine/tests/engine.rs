@@ -1,0 +1,150 @@
+//! Step-API behaviour on the real model: batching, chunked prefill and KV
+//! movement never change a sequence's tokens; bad input is a clear error.
+
+mod common;
+
+use common::{fixture, golden, ids, load};
+use pdmesh_engine::gguf::Gguf;
+use pdmesh_engine::{EngineError, EngineOptions, Model, SamplingParams};
+
+fn greedy(n: usize) -> SamplingParams {
+    SamplingParams { max_tokens: n, ignore_eos: true, ..Default::default() }
+}
+
+/// Prompts of different lengths: the golden chat prompts plus two long ones
+/// (so chunking by 64 really splits them).
+fn prompts(tok: &pdmesh_engine::Tokenizer) -> Vec<Vec<u32>> {
+    let mut p: Vec<Vec<u32>> = golden().iter().map(|g| ids(&g["chat_ids"])).collect();
+    p.push(pdmesh_engine::bench::prompt_tokens(tok, 150).unwrap());
+    let mut long = tok.encode("Write a long story about a lighthouse keeper and a storm. ", false).unwrap();
+    long.extend(pdmesh_engine::bench::prompt_tokens(tok, 97).unwrap());
+    p.push(long);
+    p
+}
+
+fn run_alone(f: &mut common::Fixture, p: &[u32], n: usize) -> Vec<u32> {
+    f.engine.generate_all(&[p.to_vec()], &greedy(n), 1).unwrap().remove(0)
+}
+
+#[test]
+fn batched_and_chunked_equal_alone() {
+    let mut f = fixture();
+    let ps = prompts(&f.tok);
+    assert_eq!(ps.len(), 8);
+    let alone: Vec<Vec<u32>> = ps.iter().map(|p| run_alone(&mut f, p, 12)).collect();
+    let batched = f.engine.generate_all(&ps, &greedy(12), 8).unwrap();
+    assert_eq!(batched, alone, "a batch of 8 changed some sequence's tokens");
+    // Staggered admission (batch of 3 with joins as others finish).
+    let staggered = f.engine.generate_all(&ps, &greedy(12), 3).unwrap();
+    assert_eq!(staggered, alone);
+    assert_eq!(f.engine.kv.used(), 0, "finished sequences must free their blocks");
+    drop(f);
+
+    let mut chunked = load(EngineOptions { prefill_chunk: 64, ..Default::default() });
+    assert!(ps.iter().any(|p| p.len() > 128));
+    let out = chunked.engine.generate_all(&ps, &greedy(12), 8).unwrap();
+    assert_eq!(out, alone, "prefill in chunks of 64 changed the tokens");
+}
+
+#[test]
+fn kv_export_import_into_another_engine_continues_identically() {
+    let mut f = fixture();
+    let prompt = ids(&golden()[2]["chat_ids"]);
+    let reference = run_alone(&mut f, &prompt, 16);
+
+    // Prefill here, move the KV bytes to a fresh engine, decode there.
+    let id = f.engine.add_sequence(prompt.clone(), greedy(16)).unwrap();
+    let first = f.engine.prefill(&[id]).unwrap().remove(0);
+    let blob = f.engine.export_kv(id).unwrap();
+    assert_eq!(blob.n_tokens, prompt.len());
+    f.engine.release(id).unwrap();
+    drop(f);
+
+    let mut other = load(EngineOptions { kv_blocks: 64, ..Default::default() });
+    // Occupy some blocks first so the sequence lands on different block ids.
+    let _filler = other.engine.add_sequence(vec![1, 2, 3], greedy(40)).unwrap();
+    let mut tokens = prompt.clone();
+    tokens.push(first.token);
+    let sid = other.engine.import_sequence(prompt.len(), tokens, greedy(16), &blob).unwrap();
+    let mut got = vec![first.token];
+    loop {
+        let ev = other.engine.decode(&[sid]).unwrap().remove(0);
+        got.push(ev.token);
+        if ev.finish.is_some() {
+            break;
+        }
+    }
+    assert_eq!(got, reference);
+}
+
+#[test]
+fn admission_and_input_errors_are_clear_and_take_nothing() {
+    let mut f = fixture();
+    let before = f.engine.kv.used();
+    assert!(matches!(f.engine.add_sequence(vec![], greedy(4)), Err(EngineError::EmptyPrompt)));
+    assert!(matches!(f.engine.add_sequence(vec![1, 2], greedy(0)), Err(EngineError::InvalidArgument(_))));
+    assert!(matches!(f.engine.add_sequence(vec![1, 999_999], greedy(4)), Err(EngineError::BadToken(999_999))));
+    let ctx = f.engine.model.config.context_length;
+    let e = f.engine.add_sequence(vec![1; ctx], greedy(4)).unwrap_err();
+    assert!(matches!(e, EngineError::PromptTooLong { .. }), "{e}");
+    assert!(e.to_string().contains("context holds 8192"), "{e}");
+    let hot = SamplingParams { temperature: 5.0, ..greedy(4) };
+    assert!(f.engine.add_sequence(vec![1, 2], hot).is_err());
+    assert_eq!(f.engine.kv.used(), before, "rejected requests must not hold blocks");
+    assert!(matches!(f.engine.release(123_456), Err(EngineError::UnknownSequence(_))));
+}
+
+#[test]
+fn full_kv_cache_rejects_then_recovers() {
+    let mut small = load(EngineOptions { kv_blocks: 8, ..Default::default() });
+    let e = &mut small.engine;
+    let a = e.add_sequence(vec![1; 100], greedy(20)).unwrap(); // 119 positions: 8 blocks
+    let err = e.add_sequence(vec![1; 5], greedy(4)).unwrap_err();
+    assert!(matches!(err, EngineError::KvFull { needed: 1, free: 0, total: 8 }), "{err}");
+    e.release(a).unwrap();
+    assert!(e.add_sequence(vec![1; 5], greedy(4)).is_ok());
+}
+
+#[test]
+fn bad_model_files_are_clear_errors() {
+    let dir = std::env::temp_dir().join(format!("pdmesh-badmodel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("nope.gguf");
+    let e = Gguf::open(&missing).unwrap_err().to_string();
+    assert!(e.contains("cannot read model file") && e.contains("nope.gguf"), "{e}");
+
+    let not_gguf = dir.join("text.gguf");
+    std::fs::write(&not_gguf, b"hello, I am not a model").unwrap();
+    let e = Gguf::open(&not_gguf).unwrap_err().to_string();
+    assert!(e.contains("wrong magic"), "{e}");
+
+    let real = std::fs::read(common::model_path()).unwrap();
+    for cut in [6usize, 1000, 2_000_000, real.len() - 10] {
+        let p = dir.join(format!("cut{cut}.gguf"));
+        std::fs::write(&p, &real[..cut]).unwrap();
+        let e = match Gguf::open(&p) {
+            Err(e) => e.to_string(),
+            Ok(g) => Model::from_gguf(&g).map(|_| ()).unwrap_err().to_string(),
+        };
+        assert!(e.contains("truncated") || e.contains("file ends"), "cut at {cut}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn incremental_detokenizer_never_splits_a_character() {
+    let f = fixture();
+    let text = "naïve café — 日本語 🚀🧪 ok";
+    let ids = f.tok.encode(text, false).unwrap();
+    let mut d = pdmesh_engine::IncrementalDecoder::new(false);
+    let mut out = String::new();
+    for id in &ids {
+        let piece = d.push(&f.tok, *id);
+        assert!(!piece.contains('\u{FFFD}'), "emitted a broken character after token {id}");
+        out.push_str(&piece);
+    }
+    out.push_str(&d.finish());
+    assert_eq!(out, text);
+    // Some token of the emoji is a partial UTF-8 sequence, so the test is meaningful.
+    assert!(ids.iter().any(|i| std::str::from_utf8(f.tok.token_bytes(*i).unwrap()).is_err()));
+}
