@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
@@ -125,7 +126,7 @@ pub struct Gguf {
     pub version: u32,
     pub metadata: HashMap<String, Value>,
     pub tensors: HashMap<String, TensorInfo>,
-    map: Mmap,
+    map: Arc<Mmap>,
 }
 
 impl std::fmt::Debug for Gguf {
@@ -271,7 +272,12 @@ impl Gguf {
             }
             tensors.insert(name.clone(), TensorInfo { name, dims, ty, offset, size });
         }
-        Ok(Gguf { path: path.to_path_buf(), version, metadata, tensors, map })
+        Ok(Gguf { path: path.to_path_buf(), version, metadata, tensors, map: Arc::new(map) })
+    }
+
+    /// The shared memory map (weights borrow from it without copying).
+    pub fn map(&self) -> Arc<Mmap> {
+        self.map.clone()
     }
 
     /// The raw bytes of a tensor.

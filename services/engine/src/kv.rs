@@ -65,6 +65,16 @@ fn f16_bytes_mut(v: &mut [f16]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 2) }
 }
 
+/// A zeroed arena from the allocator's zeroed pages: untouched blocks cost
+/// no resident memory, so RSS follows the blocks actually used.
+fn zeroed_f16(n: usize) -> Vec<f16> {
+    let v = vec![0u16; n];
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: f16 is repr(transparent) over u16: same size, alignment and
+    // validity, so the allocation can change element type in place.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut f16, v.len(), v.capacity()) }
+}
+
 pub struct KvCache {
     pub layout: KvLayout,
     data: Vec<f16>,
@@ -82,7 +92,7 @@ impl KvCache {
     pub fn new(layout: KvLayout, n_blocks: usize) -> KvCache {
         KvCache {
             layout,
-            data: vec![f16::ZERO; layout.block_elems() * n_blocks],
+            data: zeroed_f16(layout.block_elems() * n_blocks),
             // Pop from the end: lowest ids first.
             free: (0..n_blocks as u32).rev().collect(),
             n_blocks,

@@ -7,6 +7,9 @@
 //! a sequence gets bit-identical logits alone, batched, or chunked.
 
 use std::cell::RefCell;
+use std::sync::Arc;
+
+use memmap2::Mmap;
 use std::path::Path;
 
 use pdmesh_kernels::attention::attend_group;
@@ -20,16 +23,14 @@ use crate::error::{EngineError, Result};
 use crate::gguf::{Gguf, TensorType};
 use crate::kv::KvCache;
 
-/// An owned quantized matrix (rows = output features).
+/// A quantized matrix (rows = output features) living in the model file's
+/// memory map: weights are never copied, so resident memory holds them once.
 pub struct Weight {
     rows: usize,
     cols: usize,
-    data: WeightData,
-}
-
-enum WeightData {
-    Q4_1(Vec<BlockQ4_1>),
-    Q8_0(Vec<BlockQ8_0>),
+    ty: TensorType,
+    map: Arc<Mmap>,
+    range: std::ops::Range<usize>,
 }
 
 impl Weight {
@@ -43,35 +44,38 @@ impl Weight {
             return Err(bad(format!("row length {cols} is not a multiple of {QK}")));
         }
         let bytes = g.tensor_bytes(info);
-        let data = match info.ty {
-            TensorType::Q4_1 => WeightData::Q4_1(cast_blocks::<BlockQ4_1>(bytes).ok_or_else(|| bad("misaligned".into()))?.to_vec()),
-            TensorType::Q8_0 => WeightData::Q8_0(cast_blocks::<BlockQ8_0>(bytes).ok_or_else(|| bad("misaligned".into()))?.to_vec()),
+        let aligned = match info.ty {
+            TensorType::Q4_1 => cast_blocks::<BlockQ4_1>(bytes).is_some(),
+            TensorType::Q8_0 => cast_blocks::<BlockQ8_0>(bytes).is_some(),
             other => return Err(EngineError::Unsupported(format!("tensor {name} has type {other:?}; matmuls support Q4_1 and Q8_0"))),
         };
-        Ok(Weight { rows, cols, data })
+        if !aligned {
+            return Err(bad("data is misaligned".into()));
+        }
+        let start = info.offset as usize;
+        Ok(Weight { rows, cols, ty: info.ty, map: g.map(), range: start..start + info.size as usize })
     }
 
     pub fn matrix(&self) -> QMatrix<'_> {
-        let data = match &self.data {
-            WeightData::Q4_1(b) => QData::Q4_1(b),
-            WeightData::Q8_0(b) => QData::Q8_0(b),
+        let bytes = &self.map[self.range.clone()];
+        // Alignment and length were checked at load.
+        let data = match self.ty {
+            TensorType::Q4_1 => QData::Q4_1(cast_blocks(bytes).expect("checked at load")),
+            _ => QData::Q8_0(cast_blocks(bytes).expect("checked at load")),
         };
         QMatrix { rows: self.rows, cols: self.cols, data }
     }
 
     fn dequant_row(&self, r: usize, out: &mut [f32]) {
         let nb = self.cols / QK;
-        match &self.data {
-            WeightData::Q4_1(b) => dequantize_q4_1(&b[r * nb..(r + 1) * nb], out),
-            WeightData::Q8_0(b) => dequantize_q8_0(&b[r * nb..(r + 1) * nb], out),
+        match self.matrix().data {
+            QData::Q4_1(b) => dequantize_q4_1(&b[r * nb..(r + 1) * nb], out),
+            QData::Q8_0(b) => dequantize_q8_0(&b[r * nb..(r + 1) * nb], out),
         }
     }
 
     fn bytes(&self) -> usize {
-        match &self.data {
-            WeightData::Q4_1(b) => b.len() * std::mem::size_of::<BlockQ4_1>(),
-            WeightData::Q8_0(b) => b.len() * std::mem::size_of::<BlockQ8_0>(),
-        }
+        self.range.len()
     }
 }
 
