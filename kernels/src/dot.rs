@@ -10,6 +10,16 @@
 
 use crate::quant::{BlockQ4_1, BlockQ8, BlockQ8_0, QK};
 
+/// Quantize activations with the fastest implementation the backend has.
+pub fn quantize_q8(be: Backend, x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK);
+    match be {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => unsafe { avx2::quantize_q8(x, out) },
+        _ => crate::quant::quantize_q8(x, out),
+    }
+}
+
 /// Which implementation runs. Picked once per process by [`Backend::detect`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -106,57 +116,127 @@ pub mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// `R` weight rows against `N` activation rows: `out[r][n]`. Each output
+    /// is one FMA chain over the blocks in order, the same arithmetic as
+    /// GGML's `ggml_vec_dot_q4_1_q8_1`; several rows and columns only add
+    /// independent chains (instruction-level parallelism), never change one.
+    ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
+    /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as each `w[r]`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], xs: [&[BlockQ8]; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut summs = [0f32; N];
+    pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], xs: [&[BlockQ8]; N]) -> [[f32; N]; R] {
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let mut summs = [[0f32; N]; R];
         let lowmask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        for (i, b) in w.iter().enumerate() {
-            let d = h2f(b.d);
-            let m = h2f(b.m);
-            let tmp = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
-            let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp), lowmask);
+        let nb = w[0].len();
+        for i in 0..nb {
+            let mut q = [_mm256_setzero_si256(); R];
+            let mut d = [0f32; R];
+            let mut m = [0f32; R];
+            for r in 0..R {
+                let b = w[r].get_unchecked(i);
+                d[r] = h2f(b.d);
+                m[r] = h2f(b.m);
+                let tmp = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
+                q[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp), lowmask);
+            }
             for n in 0..N {
                 let y = xs[n].get_unchecked(i);
                 let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yq), ones);
-                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(p), acc[n]);
-                summs[n] += m * y.s;
+                for r in 0..R {
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], yq), ones);
+                    acc[r][n] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * y.d), _mm256_cvtepi32_ps(p), acc[r][n]);
+                    summs[r][n] += m[r] * y.s;
+                }
             }
         }
-        let mut out = [0f32; N];
-        for n in 0..N {
-            out[n] = hsum(acc[n]) + summs[n];
+        let mut out = [[0f32; N]; R];
+        for r in 0..R {
+            for n in 0..N {
+                out[r][n] = hsum(acc[r][n]) + summs[r][n];
+            }
         }
         out
     }
 
+    /// Like [`dot_q4_1`] for Q8_0 weights (GGML's `ggml_vec_dot_q8_0_q8_0`).
+    ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
+    /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as each `w[r]`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], xs: [&[BlockQ8]; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
+    pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], xs: [&[BlockQ8]; N]) -> [[f32; N]; R] {
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
         let ones = _mm256_set1_epi16(1);
-        for (i, b) in w.iter().enumerate() {
-            let d = h2f(b.d);
-            let wq = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
-            let ax = _mm256_sign_epi8(wq, wq);
+        let nb = w[0].len();
+        for i in 0..nb {
+            let mut wq = [_mm256_setzero_si256(); R];
+            let mut ax = [_mm256_setzero_si256(); R];
+            let mut d = [0f32; R];
+            for r in 0..R {
+                let b = w[r].get_unchecked(i);
+                d[r] = h2f(b.d);
+                wq[r] = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
+                ax[r] = _mm256_sign_epi8(wq[r], wq[r]);
+            }
             for n in 0..N {
                 let y = xs[n].get_unchecked(i);
                 let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
-                let sy = _mm256_sign_epi8(yq, wq);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
-                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(p), acc[n]);
+                for r in 0..R {
+                    let sy = _mm256_sign_epi8(yq, wq[r]);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], sy), ones);
+                    acc[r][n] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * y.d), _mm256_cvtepi32_ps(p), acc[r][n]);
+                }
             }
         }
-        let mut out = [0f32; N];
-        for n in 0..N {
-            out[n] = hsum(acc[n]);
+        let mut out = [[0f32; N]; R];
+        for r in 0..R {
+            for n in 0..N {
+                out[r][n] = hsum(acc[r][n]);
+            }
         }
         out
+    }
+
+    /// Quantize 32-value blocks to [`BlockQ8`], bit-identical to
+    /// [`crate::quant::quantize_q8`] (and to GGML's AVX2 `quantize_row_q8_1`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `x.len() == out.len() * 32`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+        let sign = _mm256_set1_ps(-0.0);
+        for (i, b) in out.iter_mut().enumerate() {
+            let p = x.as_ptr().add(i * QK);
+            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+            let mut mx = _mm256_andnot_ps(sign, v[0]);
+            for vv in &v[1..] {
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, *vv));
+            }
+            let m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            let amax = _mm_cvtss_f32(m4);
+            let d = amax / 127.0;
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mul = _mm256_set1_ps(id);
+            let mut sum = _mm256_setzero_si256();
+            let mut ints = [0i32; QK];
+            for (k, vv) in v.iter().enumerate() {
+                let r = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(*vv, mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                sum = _mm256_add_epi32(sum, r);
+                _mm256_storeu_si256(ints.as_mut_ptr().add(k * 8) as *mut __m256i, r);
+            }
+            for (q, v) in b.qs.iter_mut().zip(ints.iter()) {
+                *q = *v as i8;
+            }
+            let s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+            let total = _mm_cvtsi128_si32(s);
+            b.d = h2f(_mm_extract_epi16(_mm_cvtps_ph(_mm_set1_ps(d), 0), 0) as u16);
+            b.s = h2f(_mm_extract_epi16(_mm_cvtps_ph(_mm_set1_ps(d * total as f32), 0), 0) as u16);
+        }
     }
 
     /// # Safety
@@ -257,15 +337,28 @@ mod tests {
                 .collect();
             let refs = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
             let s41 = scalar::dot_q4_1(&w41, refs);
-            let v41 = unsafe { avx2::dot_q4_1(&w41, refs) };
+            let v41 = unsafe { avx2::dot_q4_1([&w41[..]], refs) }[0];
             let s80 = scalar::dot_q8_0(&w80, refs);
-            let v80 = unsafe { avx2::dot_q8_0(&w80, refs) };
+            let v80 = unsafe { avx2::dot_q8_0([&w80[..]], refs) }[0];
+            // Two rows at once give each row's single-row result exactly.
+            let two = unsafe { avx2::dot_q4_1([&w41[..], &w41[..]], refs) };
+            assert_eq!(two[1].map(f32::to_bits), v41.map(f32::to_bits));
             for n in 0..4 {
                 assert!(close(s41[n], v41[n], 1e-4), "q4_1 nb={nb} {} vs {}", s41[n], v41[n]);
                 assert!(close(s80[n], v80[n], 1e-4), "q8_0 nb={nb} {} vs {}", s80[n], v80[n]);
                 // The single-row path is bit-identical to the multi-row path.
-                let one = unsafe { avx2::dot_q4_1(&w41, [refs[n]]) };
+                let one = unsafe { avx2::dot_q4_1([&w41[..]], [refs[n]]) }[0];
                 assert_eq!(one[0].to_bits(), v41[n].to_bits());
+                let four = unsafe { avx2::dot_q8_0([&w80[..], &w80[..], &w80[..], &w80[..]], [refs[n]]) };
+                assert_eq!(four[3][0].to_bits(), v80[n].to_bits());
+            }
+            let xf = rng.normal_vec(nb * QK);
+            let mut qs = vec![BlockQ8::default(); nb];
+            let mut qv = vec![BlockQ8::default(); nb];
+            crate::quant::quantize_q8(&xf, &mut qs);
+            unsafe { avx2::quantize_q8(&xf, &mut qv) };
+            for (p, q) in qs.iter().zip(&qv) {
+                assert_eq!((p.d.to_bits(), p.s.to_bits(), p.qs), (q.d.to_bits(), q.s.to_bits(), q.qs));
             }
             let a = rng.normal_vec(nb * QK + 5);
             let b = rng.normal_vec(nb * QK + 5);

@@ -8,7 +8,7 @@
 
 use crate::dot::{self, Backend};
 use crate::pool::{Pool, SyncPtr};
-use crate::quant::{quantize_q8, BlockQ4_1, BlockQ8, BlockQ8_0, QK};
+use crate::quant::{BlockQ4_1, BlockQ8, BlockQ8_0, QK};
 
 /// Weight storage a matmul accepts.
 #[derive(Clone, Copy, Debug)]
@@ -54,7 +54,7 @@ impl QActs {
 
 /// Quantize `rows` rows of `cols` f32 values (cols a multiple of 32) into `out`,
 /// reusing its allocation.
-pub fn quantize_rows(pool: &Pool, x: &[f32], rows: usize, cols: usize, out: &mut QActs) {
+pub fn quantize_rows(be: Backend, pool: &Pool, x: &[f32], rows: usize, cols: usize, out: &mut QActs) {
     assert_eq!(cols % QK, 0, "activation width must be a multiple of {QK}");
     assert_eq!(x.len(), rows * cols);
     let nb = cols / QK;
@@ -68,7 +68,7 @@ pub fn quantize_rows(pool: &Pool, x: &[f32], rows: usize, cols: usize, out: &mut
         let r1 = (r0 + per_task).min(rows);
         // SAFETY: tasks cover disjoint row ranges.
         let o = unsafe { dst.slice(r0 * nb, (r1 - r0) * nb) };
-        quantize_q8(&x[r0 * cols..r1 * cols], o);
+        dot::quantize_q8(be, &x[r0 * cols..r1 * cols], o);
     });
 }
 
@@ -87,71 +87,85 @@ pub fn matmul(be: Backend, pool: &Pool, w: &QMatrix<'_>, x: &QActs, out: &mut [f
     pool.run(n_tasks, |t| {
         let r0 = t * per_task;
         let r1 = (r0 + per_task).min(rows);
-        for b0 in (0..x.rows).step_by(TILE_B) {
-            let b1 = (b0 + TILE_B).min(x.rows);
-            for r in r0..r1 {
+        // Weight rows in slices that stay in L1 while a tile of activations passes.
+        for rs in (r0..r1).step_by(16) {
+            let re = (rs + 16).min(r1);
+            for b0 in (0..x.rows).step_by(TILE_B) {
+                let b1 = (b0 + TILE_B).min(x.rows);
                 // SAFETY: each task writes only its own rows r0..r1 of every output row.
-                unsafe { dot_row_into(be, w, r, x, b0, b1, dst, rows) };
+                unsafe { dot_rows_into(be, w, rs, re, x, b0, b1, dst, rows) };
             }
         }
     });
 }
 
-/// Dot weight row `r` with activation rows `b0..b1`, writing `out[b * stride + r]`.
-#[inline]
-unsafe fn dot_row_into(
-    be: Backend,
-    w: &QMatrix<'_>,
-    r: usize,
-    x: &QActs,
-    b0: usize,
-    b1: usize,
-    dst: SyncPtr<f32>,
-    stride: usize,
-) {
+/// Dot weight rows `r0..r1` with activation rows `b0..b1`, writing
+/// `out[b * stride + r]`.
+///
+/// # Safety
+/// `dst` must be valid for every written index and not written by others.
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_rows_into(be: Backend, w: &QMatrix<'_>, r0: usize, r1: usize, x: &QActs, b0: usize, b1: usize, dst: SyncPtr<f32>, stride: usize) {
     let nb = w.blocks_per_row();
-    let mut b = b0;
-    macro_rules! run {
-        ($n:literal, $f:path, $row:expr) => {{
-            let xs: [&[BlockQ8]; $n] = std::array::from_fn(|i| x.row(b + i));
-            let v = $f($row, xs);
-            for (i, val) in v.iter().enumerate() {
-                *dst.0.add((b + i) * stride + r) = *val;
+    // Groups: 4 columns x 2 rows while 4 columns remain, then 1 column x 4 rows.
+    macro_rules! tile {
+        ($f:path, $blocks:expr, $R:literal, $N:literal, $r:expr, $b:expr) => {{
+            let rows: [_; $R] = std::array::from_fn(|i| &$blocks[($r + i) * nb..($r + i + 1) * nb]);
+            let xs: [&[BlockQ8]; $N] = std::array::from_fn(|i| x.row($b + i));
+            let v = $f(rows, xs);
+            for i in 0..$R {
+                for j in 0..$N {
+                    *dst.0.add(($b + j) * stride + $r + i) = v[i][j];
+                }
             }
-            b += $n;
+        }};
+    }
+    macro_rules! sweep {
+        ($f:path, $blocks:expr) => {{
+            let mut b = b0;
+            while b + 4 <= b1 {
+                let mut r = r0;
+                while r + 2 <= r1 {
+                    tile!($f, $blocks, 2, 4, r, b);
+                    r += 2;
+                }
+                while r < r1 {
+                    tile!($f, $blocks, 1, 4, r, b);
+                    r += 1;
+                }
+                b += 4;
+            }
+            while b < b1 {
+                let mut r = r0;
+                while r + 4 <= r1 {
+                    tile!($f, $blocks, 4, 1, r, b);
+                    r += 4;
+                }
+                while r < r1 {
+                    tile!($f, $blocks, 1, 1, r, b);
+                    r += 1;
+                }
+                b += 1;
+            }
         }};
     }
     match (be, w.data) {
         #[cfg(target_arch = "x86_64")]
-        (Backend::Avx2, QData::Q4_1(blocks)) => {
-            let row = &blocks[r * nb..(r + 1) * nb];
-            while b + 4 <= b1 {
-                run!(4, dot::avx2::dot_q4_1, row);
-            }
-            while b < b1 {
-                run!(1, dot::avx2::dot_q4_1, row);
-            }
-        }
+        (Backend::Avx2, QData::Q4_1(blocks)) => sweep!(dot::avx2::dot_q4_1, blocks),
         #[cfg(target_arch = "x86_64")]
-        (Backend::Avx2, QData::Q8_0(blocks)) => {
-            let row = &blocks[r * nb..(r + 1) * nb];
-            while b + 4 <= b1 {
-                run!(4, dot::avx2::dot_q8_0, row);
-            }
-            while b < b1 {
-                run!(1, dot::avx2::dot_q8_0, row);
-            }
-        }
+        (Backend::Avx2, QData::Q8_0(blocks)) => sweep!(dot::avx2::dot_q8_0, blocks),
         (_, QData::Q4_1(blocks)) => {
-            let row = &blocks[r * nb..(r + 1) * nb];
-            while b < b1 {
-                run!(1, dot::scalar::dot_q4_1, row);
+            for r in r0..r1 {
+                for b in b0..b1 {
+                    *dst.0.add(b * stride + r) = dot::scalar::dot_q4_1(&blocks[r * nb..(r + 1) * nb], [x.row(b)])[0];
+                }
             }
         }
         (_, QData::Q8_0(blocks)) => {
-            let row = &blocks[r * nb..(r + 1) * nb];
-            while b < b1 {
-                run!(1, dot::scalar::dot_q8_0, row);
+            for r in r0..r1 {
+                for b in b0..b1 {
+                    *dst.0.add(b * stride + r) = dot::scalar::dot_q8_0(&blocks[r * nb..(r + 1) * nb], [x.row(b)])[0];
+                }
             }
         }
     }
@@ -178,7 +192,7 @@ mod tests {
             for batch in [1usize, 3, 4, 33, 70] {
                 let x = rng.normal_vec(batch * cols);
                 let mut qa = QActs::default();
-                quantize_rows(&pool, &x, batch, cols, &mut qa);
+                quantize_rows(be, &pool, &x, batch, cols, &mut qa);
                 // Poison the output so unwritten cells show up.
                 let mut out = vec![f32::NAN; batch * rows];
                 matmul(be, &pool, &m, &qa, &mut out);
@@ -195,7 +209,7 @@ mod tests {
                 }
                 // A row computed alone equals the same row computed in the batch.
                 let mut qa1 = QActs::default();
-                quantize_rows(&pool, &x[(batch - 1) * cols..], 1, cols, &mut qa1);
+                quantize_rows(be, &pool, &x[(batch - 1) * cols..], 1, cols, &mut qa1);
                 let mut out1 = vec![f32::NAN; rows];
                 matmul(be, &pool, &m, &qa1, &mut out1);
                 assert_eq!(&out1[..], &out[(batch - 1) * rows..]);

@@ -242,7 +242,7 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             // Attention block.
             norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn);
-            quantize_rows(pool, &s.xn, n_tok, d, &mut s.qa);
+            quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
             matmul(be, pool, &layer.wq.matrix(), &s.qa, &mut s.q);
             matmul(be, pool, &layer.wk.matrix(), &s.qa, &mut s.k);
             matmul(be, pool, &layer.wv.matrix(), &s.qa, &mut s.v);
@@ -260,17 +260,17 @@ impl Model {
                 }
             }
             self.attention(pool, kv, batch, li, &s.q, &mut s.att);
-            quantize_rows(pool, &s.att, n_tok, d, &mut s.qa);
+            quantize_rows(be, pool, &s.att, n_tok, d, &mut s.qa);
             matmul(be, pool, &layer.wo.matrix(), &s.qa, &mut s.proj);
             s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
 
             // Feed-forward block.
             norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn);
-            quantize_rows(pool, &s.xn, n_tok, d, &mut s.qa);
+            quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
             matmul(be, pool, &layer.w_gate.matrix(), &s.qa, &mut s.gate);
             matmul(be, pool, &layer.w_up.matrix(), &s.qa, &mut s.up);
             activation::silu_mul(&mut s.gate, &s.up);
-            quantize_rows(pool, &s.gate, n_tok, ff, &mut s.qa);
+            quantize_rows(be, pool, &s.gate, n_tok, ff, &mut s.qa);
             matmul(be, pool, &layer.w_down.matrix(), &s.qa, &mut s.proj);
             s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
         }
@@ -293,7 +293,7 @@ impl Model {
         }
         let mut normed = vec![0f32; last.len()];
         norm::rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
-        quantize_rows(pool, &normed, rows.len(), d, &mut s.qa);
+        quantize_rows(be, pool, &normed, rows.len(), d, &mut s.qa);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
         matmul(be, pool, &head.matrix(), &s.qa, &mut logits);
