@@ -81,3 +81,30 @@ fn greedy_generation_matches_llama_cpp() {
     }
     assert!(full16 >= 5, "only {full16} of 6 prompts agree on the first 16 greedy tokens");
 }
+
+/// Harder text than the golden prompts (unicode, emoji, whitespace runs,
+/// code, digits, look-alike special tokens), tokenized by llama.cpp 0.3.36
+/// with scripts/gen_tokenizer_cases.py.
+#[test]
+fn tokenization_matches_llama_cpp_on_hard_text() {
+    let f = fixture();
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer_cases.json");
+    let data: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    let cases = data["cases"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    let mut bad = Vec::new();
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        let raw = f.tok.encode(text, false).unwrap();
+        let special = f.tok.encode(text, true).unwrap();
+        if raw != ids(&c["raw_ids"]) {
+            bad.push(format!("raw {text:?}: ours {raw:?} want {:?}", ids(&c["raw_ids"])));
+        }
+        if special != ids(&c["special_ids"]) {
+            bad.push(format!("special {text:?}: ours {special:?} want {:?}", ids(&c["special_ids"])));
+        }
+        // Decoding the raw ids gives the text back.
+        assert_eq!(f.tok.decode(&raw, false), text);
+    }
+    assert!(bad.is_empty(), "{} mismatches:\n{}", bad.len(), bad.join("\n"));
+}
