@@ -5,4 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --workspace --all-targets
 ./target/release/pdmesh-engine fetch
-cargo test --release --workspace
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --release --workspace 2>&1 | tee "$log"
+# One closing line for the whole run (cargo prints one per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "%d passed, %d failed\n", p, f }' "$log"

@@ -149,25 +149,22 @@ unsafe fn dot_rows_into(be: Backend, w: &QMatrix<'_>, r0: usize, r1: usize, x: &
             }
         }};
     }
+    macro_rules! scalar_sweep {
+        ($f:path, $blocks:expr) => {{
+            for r in r0..r1 {
+                for b in b0..b1 {
+                    *dst.0.add(b * stride + r) = $f(&$blocks[r * nb..(r + 1) * nb], [x.row(b)])[0];
+                }
+            }
+        }};
+    }
     match (be, w.data) {
         #[cfg(target_arch = "x86_64")]
         (Backend::Avx2, QData::Q4_1(blocks)) => sweep!(dot::avx2::dot_q4_1, blocks),
         #[cfg(target_arch = "x86_64")]
         (Backend::Avx2, QData::Q8_0(blocks)) => sweep!(dot::avx2::dot_q8_0, blocks),
-        (_, QData::Q4_1(blocks)) => {
-            for r in r0..r1 {
-                for b in b0..b1 {
-                    *dst.0.add(b * stride + r) = dot::scalar::dot_q4_1(&blocks[r * nb..(r + 1) * nb], [x.row(b)])[0];
-                }
-            }
-        }
-        (_, QData::Q8_0(blocks)) => {
-            for r in r0..r1 {
-                for b in b0..b1 {
-                    *dst.0.add(b * stride + r) = dot::scalar::dot_q8_0(&blocks[r * nb..(r + 1) * nb], [x.row(b)])[0];
-                }
-            }
-        }
+        (_, QData::Q4_1(blocks)) => scalar_sweep!(dot::scalar::dot_q4_1, blocks),
+        (_, QData::Q8_0(blocks)) => scalar_sweep!(dot::scalar::dot_q8_0, blocks),
     }
 }
 
