@@ -111,7 +111,6 @@ impl Tokenizer {
         }
         seq.push(ByteLevel::new(false, false, true).into());
         raw.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(seq))));
-        raw.with_decoder(Some(ByteLevel::default()));
 
         let mut special = raw.clone();
         let specials: Vec<AddedToken> = tokens
