@@ -1,5 +1,17 @@
 //! Element-wise activations.
 
+/// SwiGLU with the backend's implementation (AVX2: GGML's exact arithmetic).
+pub fn silu_mul_be(be: crate::Backend, gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len());
+    #[cfg(target_arch = "x86_64")]
+    if be == crate::Backend::Avx2 {
+        // SAFETY: Backend::Avx2 is only chosen when AVX2 and FMA are present.
+        return unsafe { crate::ggml_avx2::silu_mul(gate, up) };
+    }
+    let _ = be;
+    silu_mul(gate, up)
+}
+
 /// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());

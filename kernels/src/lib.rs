@@ -13,6 +13,8 @@
 pub mod activation;
 pub mod attention;
 pub mod dot;
+#[cfg(target_arch = "x86_64")]
+pub mod ggml_avx2;
 pub mod matmul;
 pub mod norm;
 pub mod pool;

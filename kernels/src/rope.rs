@@ -14,8 +14,10 @@ pub fn rope_row(row: &mut [f32], head_dim: usize, dims: usize, pos: usize, base:
             let (s, c) = theta.sin_cos();
             let x0 = head[2 * i];
             let x1 = head[2 * i + 1];
-            head[2 * i] = x0 * c - x1 * s;
-            head[2 * i + 1] = x0 * s + x1 * c;
+            // GCC contracts ggml's `x0*c - x1*s` and `x0*s + x1*c` into
+            // these FMAs; doing the same keeps q and k bit-identical.
+            head[2 * i] = x0.mul_add(c, -(x1 * s));
+            head[2 * i + 1] = x0.mul_add(s, x1 * c);
             theta *= theta_scale;
         }
     }

@@ -155,6 +155,34 @@ impl KvCache {
         assert_eq!(pos, n, "block table too short for {n} positions");
     }
 
+    /// Gather positions `0..n` of one head's values transposed into `dst`
+    /// (`head_dim` rows of `stride` f32: `dst[d * stride + pos]`), zeroing
+    /// positions `n..stride`.
+    pub fn gather_transposed(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, stride: usize, dst: &mut [f32]) {
+        let l = self.layout;
+        assert!(n <= stride && dst.len() >= l.head_dim * stride);
+        let mut tmp = vec![0f32; l.block_size * l.head_dim];
+        let mut pos = 0;
+        for b in blocks {
+            if pos >= n {
+                break;
+            }
+            let take = (n - pos).min(l.block_size);
+            let off = *b as usize * l.block_elems() + l.offset_in_block(layer, kv, head, 0);
+            pdmesh_kernels::attention::f16_to_f32_slice(&self.data[off..off + take * l.head_dim], &mut tmp[..take * l.head_dim]);
+            for (s, row) in tmp[..take * l.head_dim].chunks_exact(l.head_dim).enumerate() {
+                for (d, v) in row.iter().enumerate() {
+                    dst[d * stride + pos + s] = *v;
+                }
+            }
+            pos += take;
+        }
+        assert_eq!(pos, n, "block table too short for {n} positions");
+        for d in 0..l.head_dim {
+            dst[d * stride + n..(d + 1) * stride].fill(0.0);
+        }
+    }
+
     fn block_range(&self, b: u32) -> std::ops::Range<usize> {
         let e = self.layout.block_elems();
         b as usize * e..(b as usize + 1) * e
@@ -251,6 +279,15 @@ mod tests {
         b.gather(&dst, 1, 1, 2, n, &mut gb);
         assert_eq!(ga, gb);
         assert_eq!(ga[9 * 8], 9112.0);
+        let stride = 12;
+        let mut gt = vec![f32::NAN; 8 * stride];
+        b.gather_transposed(&dst, 1, 1, 2, n, stride, &mut gt);
+        for pos in 0..n {
+            for d in 0..8 {
+                assert_eq!(gt[d * stride + pos], ga[pos * 8 + d]);
+            }
+        }
+        assert!(gt[stride - 1] == 0.0 && gt[8 * stride - 1] == 0.0);
         let wrong = KvBlob { layout: KvLayout { head_dim: 4, ..l }, ..blob.clone() };
         assert!(b.import(&dst, &wrong).is_err());
         let short = KvBlob { bytes: blob.bytes[1..].to_vec(), ..blob };

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use std::path::Path;
 
-use pdmesh_kernels::attention::attend_group;
+use pdmesh_kernels::attention::{attend_group, KvView, SumOrder, VALUE_PAD};
 use pdmesh_kernels::matmul::{matmul, quantize_rows, QActs, QData, QMatrix};
 use pdmesh_kernels::pool::{Pool, SyncPtr};
 use pdmesh_kernels::quant::{cast_blocks, dequantize_q4_1, dequantize_q8_0, BlockQ4_1, BlockQ8_0, QK};
@@ -107,6 +107,19 @@ pub struct Model {
     /// `None` when the output projection is tied to the token embedding.
     output: Option<Weight>,
     pub backend: Backend,
+    /// Debug: write every layer's intermediate tensors of each step here
+    /// (`PDMESH_DEBUG_DUMP_DIR`), named as llama.cpp's eval callback names
+    /// them, so `scripts/compare_with_llama_cpp.py` can diff them.
+    dump_dir: Option<std::path::PathBuf>,
+}
+
+/// Write `v` as raw little-endian f32 to `dir/name.f32` (debug dumps only;
+/// a failure is reported on stderr and otherwise ignored).
+fn dump_tensor(dir: &std::path::Path, name: &str, v: &[f32]) {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    if let Err(e) = std::fs::write(dir.join(format!("{name}.f32")), bytes) {
+        eprintln!("pdmesh: debug dump of {name} failed: {e}");
+    }
 }
 
 impl std::fmt::Debug for Model {
@@ -143,7 +156,7 @@ pub struct Scratch {
 }
 
 thread_local! {
-    /// Per-thread attention scratch: gathered keys, values and scores.
+    /// Per-thread attention scratch: gathered keys, transposed values, scores.
     static ATT_SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
@@ -187,6 +200,7 @@ impl Model {
             tok_embd,
             output,
             backend: Backend::detect(),
+            dump_dir: std::env::var_os("PDMESH_DEBUG_DUMP_DIR").map(Into::into),
         })
     }
 
@@ -239,9 +253,15 @@ impl Model {
         s.gate.resize(n_tok * ff, 0.0);
         s.up.resize(n_tok * ff, 0.0);
 
+        let dump = |name: &str, li: usize, v: &[f32]| {
+            if let Some(dir) = &self.dump_dir {
+                dump_tensor(dir, &format!("{name}-{li}"), v);
+            }
+        };
         for (li, layer) in self.layers.iter().enumerate() {
             // Attention block.
             norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn);
+            dump("attn_norm", li, &s.xn);
             quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
             matmul(be, pool, &layer.wq.matrix(), &s.qa, &mut s.q);
             matmul(be, pool, &layer.wk.matrix(), &s.qa, &mut s.k);
@@ -259,20 +279,31 @@ impl Model {
                     row += 1;
                 }
             }
+            dump("Qcur", li, &s.q);
+            dump("Kcur", li, &s.k);
+            dump("Vcur", li, &s.v);
             self.attention(pool, kv, batch, li, &s.q, &mut s.att);
+            dump("kqv_out", li, &s.att);
             quantize_rows(be, pool, &s.att, n_tok, d, &mut s.qa);
             matmul(be, pool, &layer.wo.matrix(), &s.qa, &mut s.proj);
+            dump("attn_out", li, &s.proj);
             s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
+            dump("ffn_inp", li, &s.x);
 
             // Feed-forward block.
             norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn);
             quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
             matmul(be, pool, &layer.w_gate.matrix(), &s.qa, &mut s.gate);
             matmul(be, pool, &layer.w_up.matrix(), &s.qa, &mut s.up);
-            activation::silu_mul(&mut s.gate, &s.up);
+            dump("ffn_gate", li, &s.gate);
+            dump("ffn_up", li, &s.up);
+            activation::silu_mul_be(be, &mut s.gate, &s.up);
+            dump("ffn_swiglu", li, &s.gate);
             quantize_rows(be, pool, &s.gate, n_tok, ff, &mut s.qa);
             matmul(be, pool, &layer.w_down.matrix(), &s.qa, &mut s.proj);
+            dump("ffn_out", li, &s.proj);
             s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
+            dump("l_out", li, &s.x);
         }
 
         // Output head, only for the rows that want logits.
@@ -323,19 +354,22 @@ impl Model {
             let (i, h, row0, q0, q1) = tasks[t];
             let item = &batch[i];
             let n_ctx = item.start_pos + q1;
+            let order = if item.tokens.len() == 1 { SumOrder::VecDot } else { SumOrder::Gemm };
             ATT_SCRATCH.with(|cell| {
-                let (keys, vals, scores) = &mut *cell.borrow_mut();
+                let (keys, vals_t, scores) = &mut *cell.borrow_mut();
+                let stride = n_ctx.next_multiple_of(VALUE_PAD);
                 keys.resize(n_ctx * hd, 0.0);
-                vals.resize(n_ctx * hd, 0.0);
+                vals_t.resize(hd * stride, 0.0);
                 kv.gather(item.blocks, layer, 0, h, n_ctx, keys);
-                kv.gather(item.blocks, layer, 1, h, n_ctx, vals);
+                kv.gather_transposed(item.blocks, layer, 1, h, n_ctx, stride, vals_t);
+                let view = KvView { keys, values_t: vals_t, stride, head_dim: hd };
                 for qi in q0..q1 {
                     let r = row0 + qi;
                     let cols = r * d + h * group * hd..r * d + (h + 1) * group * hd;
                     // SAFETY: each (row, kv head) output range belongs to exactly one task.
                     let o = unsafe { dst.slice(cols.start, cols.len()) };
                     let visible = item.start_pos + qi + 1;
-                    attend_group(be, &q[cols], keys, vals, visible, hd, scale, scores, o);
+                    attend_group(be, &q[cols], view, visible, scale, order, scores, o);
                 }
             });
         });

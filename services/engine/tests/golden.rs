@@ -29,15 +29,20 @@ fn tokenization_and_chat_template_match_llama_cpp() {
     }
 }
 
-/// Logits after prefilling each chat prompt: every value of llama.cpp's
-/// top 5 within 0.5 of ours, and the top-4 id sets equal on every prompt.
-/// The issue asks for equal top-5 sets; that holds for 3 of the 6 prompts:
-/// on the other three llama.cpp's 5th id is our 6th, behind an id that
-/// trails it by under 0.06 logits, so the test requires it in our top 6.
+/// With AVX2 the engine repeats llama.cpp's CPU arithmetic operation for
+/// operation (see docs/architecture.md), so its logits equal the golden ones
+/// to the printed precision; other CPUs run the scalar reference and are
+/// held to the issue's tolerance.
+fn bit_exact_backend() -> bool {
+    pdmesh_kernels::Backend::detect() == pdmesh_kernels::Backend::Avx2
+}
+
+/// Logits after prefilling each chat prompt: the top-5 ids in llama.cpp's
+/// order, values within 0.5 (within 1e-4 on AVX2).
 #[test]
 fn first_position_logits_match_llama_cpp_top5() {
     let mut f = fixture();
-    let mut same_sets = 0;
+    let tol = if bit_exact_backend() { 1e-4 } else { 0.5 };
     for g in golden() {
         let chat = ids(&g["chat_ids"]);
         let id = f.engine.add_sequence(chat, SamplingParams::greedy(1)).unwrap();
@@ -45,71 +50,53 @@ fn first_position_logits_match_llama_cpp_top5() {
         f.engine.release(id).unwrap();
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]));
-        let ours: Vec<(usize, f32)> = order[..8].iter().map(|i| (*i, logits[*i])).collect();
         let want: Vec<(usize, f32)> = g["top5_first"]
             .as_array()
             .unwrap()
             .iter()
             .map(|t| (t["id"].as_u64().unwrap() as usize, t["logit"].as_f64().unwrap() as f32))
             .collect();
-        let diffs: Vec<f32> = want.iter().map(|(id, l)| logits[*id] - l).collect();
-        eprintln!("{:?}\n  ours {ours:?}\n  want {want:?}\n  diff {diffs:?}", g["prompt"]);
+        let want_ids: Vec<usize> = want.iter().map(|(i, _)| *i).collect();
+        assert_eq!(order[..5], want_ids[..], "{:?}: top-5 ids", g["prompt"]);
         for (id, l) in &want {
-            assert!(ours[..6].iter().any(|(i, _)| i == id), "{:?}: golden top-5 id {id} not in our top 6 {ours:?}", g["prompt"]);
-            assert!((logits[*id] - l).abs() < 0.5, "{:?}: logit of {id} is {} vs golden {l}", g["prompt"], logits[*id]);
-        }
-        for (id, _) in &want[..4] {
-            assert!(ours[..4].iter().any(|(i, _)| i == id), "{:?}: golden top-4 id {id} not in our top 4 {ours:?}", g["prompt"]);
-        }
-        if want.iter().all(|(id, _)| ours[..5].iter().any(|(i, _)| i == id)) {
-            same_sets += 1;
+            assert!((logits[*id] - l).abs() <= tol, "{:?}: logit of {id} is {} vs golden {l}", g["prompt"], logits[*id]);
         }
     }
-    assert!(same_sets >= 3, "top-5 id sets agree on only {same_sets} of 6 prompts");
 }
 
-/// The issue's target is 16 identical greedy tokens for 5 of the 6 prompts;
-/// this engine reaches 3 (two prompts agree on all 32). Where it diverges,
-/// llama.cpp's own choice was within a fraction of a logit of ours: both are
-/// 8-bit-activation approximations of the same model (the exact float model
-/// differs from llama.cpp by up to 0.3 logits too), so near-ties go either
-/// way unless every rounding matches llama.cpp's. The test pins what holds
-/// (first token on every prompt without a near tie, 3 of 6 at 16 tokens, the
-/// margin at each divergence under 1 logit) so a real regression fails.
+/// Greedy decoding, 32 tokens past EOS: on AVX2 every prompt follows
+/// llama.cpp token for token; elsewhere the issue's bar (16 tokens on at
+/// least 5 of 6 prompts, first token everywhere but at a near tie).
 #[test]
-fn greedy_generation_tracks_llama_cpp() {
+fn greedy_generation_matches_llama_cpp() {
     let mut f = fixture();
     let records = golden();
     let prompts: Vec<Vec<u32>> = records.iter().map(|g| ids(&g["chat_ids"])).collect();
     let params = SamplingParams { max_tokens: 32, ignore_eos: true, ..Default::default() };
     let outs = f.engine.generate_all(&prompts, &params, 8).unwrap();
     let mut full16 = 0;
-    for ((g, out), prompt) in records.iter().zip(&outs).zip(&prompts) {
+    for (g, out) in records.iter().zip(&outs) {
         let want = ids(&g["greedy_ids_32_ignore_eos"]);
+        let agree = out.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        eprintln!("{:?}: {agree} of {} agree", g["prompt"], want.len());
+        if bit_exact_backend() {
+            assert_eq!(out, &want, "{:?}", g["prompt"]);
+        }
         let top = g["top5_first"].as_array().unwrap();
         let near_tie = (top[0]["logit"].as_f64().unwrap() - top[1]["logit"].as_f64().unwrap()).abs() < 0.05;
-        let agree = out.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        if agree < want.len() {
-            // Our logits at the first divergence: how far apart were the two choices?
-            let mut ctx = prompt.clone();
-            ctx.extend(&want[..agree]);
-            let id = f.engine.add_sequence(ctx, SamplingParams::greedy(1)).unwrap();
-            let logits = f.engine.forward_pending(&[id], 4096).unwrap().remove(0).1;
-            f.engine.release(id).unwrap();
-            let margin = logits[out[agree] as usize] - logits[want[agree] as usize];
-            eprintln!("{:?}: {agree} of 32 agree; at the divergence ours {} leads llama.cpp's {} by {margin:.3}", g["prompt"], out[agree], want[agree]);
-            assert!(margin < 1.0, "{:?}: diverged from llama.cpp by a clear margin ({margin})", g["prompt"]);
-        } else {
-            eprintln!("{:?}: all 32 agree", g["prompt"]);
-        }
         if !near_tie {
             assert_eq!(out[0], want[0], "first token of {:?}", g["prompt"]);
         }
         if agree >= 16 {
             full16 += 1;
         }
+        // The text of the golden greedy run (stopping at EOS) comes out the same.
+        let stop = want.iter().position(|t| *t == 2).map_or(want.len(), |p| p + 1);
+        if agree >= stop {
+            assert_eq!(f.tok.decode(&out[..stop], false), g["greedy_text"].as_str().unwrap().trim_end_matches("<|im_end|>"));
+        }
     }
-    assert!(full16 >= 3, "only {full16} of 6 prompts agree on the first 16 greedy tokens");
+    assert!(full16 >= 5, "only {full16} of 6 prompts agree on the first 16 greedy tokens");
 }
 
 /// Harder text than the golden prompts (unicode, emoji, whitespace runs,
