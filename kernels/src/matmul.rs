@@ -99,6 +99,27 @@ pub fn matmul(be: Backend, pool: &Pool, w: &QMatrix<'_>, x: &QActs, out: &mut [f
     });
 }
 
+/// Ask the CPU to start loading `count` weight blocks from `start`: rows are
+/// short (a few hundred bytes), too short for the hardware prefetcher to
+/// ramp up on before a tile is done with them.
+#[inline(always)]
+fn prefetch_rows<T>(blocks: &[T], start: usize, count: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = (start + count).min(blocks.len());
+        if start >= end {
+            return;
+        }
+        let base = blocks.as_ptr() as *const i8;
+        let (from, to) = (start * std::mem::size_of::<T>(), end * std::mem::size_of::<T>());
+        for off in (from..to).step_by(64) {
+            // SAFETY: prefetch is a hint; the address is inside `blocks`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(off)) };
+        }
+    }
+}
+
 /// Dot weight rows `r0..r1` with activation rows `b0..b1`, writing
 /// `out[b * stride + r]`.
 ///
@@ -111,6 +132,7 @@ unsafe fn dot_rows_into(be: Backend, w: &QMatrix<'_>, r0: usize, r1: usize, x: &
     macro_rules! tile {
         ($f:path, $blocks:expr, $R:literal, $N:literal, $r:expr, $b:expr) => {{
             let rows: [_; $R] = std::array::from_fn(|i| &$blocks[($r + i) * nb..($r + i + 1) * nb]);
+            prefetch_rows($blocks, ($r + $R) * nb, $R * nb);
             let xs: [&[BlockQ8]; $N] = std::array::from_fn(|i| x.row($b + i));
             let v = $f(rows, xs);
             for i in 0..$R {
