@@ -87,13 +87,6 @@ pub mod scalar {
     pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         a.iter().zip(b).map(|(x, y)| x * y).sum()
     }
-
-    /// `y += alpha * x`
-    pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-        for (yi, xi) in y.iter_mut().zip(x) {
-            *yi += alpha * xi;
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -106,15 +99,7 @@ pub mod avx2 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
     }
 
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
+    use crate::ggml_avx2::hsum;
 
     /// `R` weight rows against `N` activation rows: `out[r][n]`. Each output
     /// is one FMA chain over the blocks in order, the same arithmetic as
@@ -238,70 +223,6 @@ pub mod avx2 {
             b.s = h2f(_mm_extract_epi16(_mm_cvtps_ph(_mm_set1_ps(d * total as f32), 0), 0) as u16);
         }
     }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `a.len() == b.len()`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        let mut acc0 = _mm256_setzero_ps();
-        let mut acc1 = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
-                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
-                acc1,
-            );
-            i += 16;
-        }
-        let mut s = hsum(_mm256_add_ps(acc0, acc1));
-        while i < n {
-            s += a[i] * b[i];
-            i += 1;
-        }
-        s
-    }
-
-    /// `y += alpha * x`
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `x.len() == y.len()`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-        let n = x.len();
-        let a = _mm256_set1_ps(alpha);
-        let mut i = 0;
-        while i + 8 <= n {
-            let p = y.as_mut_ptr().add(i);
-            _mm256_storeu_ps(p, _mm256_fmadd_ps(a, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
-            i += 8;
-        }
-        while i < n {
-            y[i] += alpha * x[i];
-            i += 1;
-        }
-    }
-}
-
-/// Dispatching wrappers (scalar fallback on other CPUs).
-pub fn dot_f32(be: Backend, a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    match be {
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => unsafe { avx2::dot_f32(a, b) },
-        _ => scalar::dot_f32(a, b),
-    }
-}
-
-pub fn axpy(be: Backend, alpha: f32, x: &[f32], y: &mut [f32]) {
-    assert_eq!(x.len(), y.len());
-    match be {
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => unsafe { avx2::axpy(alpha, x, y) },
-        _ => scalar::axpy(alpha, x, y),
-    }
 }
 
 #[cfg(test)]
@@ -360,14 +281,6 @@ mod tests {
             for (p, q) in qs.iter().zip(&qv) {
                 assert_eq!((p.d.to_bits(), p.s.to_bits(), p.qs), (q.d.to_bits(), q.s.to_bits(), q.qs));
             }
-            let a = rng.normal_vec(nb * QK + 5);
-            let b = rng.normal_vec(nb * QK + 5);
-            assert!(close(scalar::dot_f32(&a, &b), dot_f32(Backend::Avx2, &a, &b), 1e-4));
-            let mut y1 = b.clone();
-            let mut y2 = b.clone();
-            scalar::axpy(0.7, &a, &mut y1);
-            axpy(Backend::Avx2, 0.7, &a, &mut y2);
-            assert!(y1.iter().zip(&y2).all(|(p, q)| close(*p, *q, 1e-5)));
         }
     }
 
