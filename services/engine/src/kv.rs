@@ -135,9 +135,9 @@ impl KvCache {
         pdmesh_kernels::attention::f32_to_f16_slice(row, &mut self.data[off..off + l.head_dim]);
     }
 
-    /// Gather positions `0..n` of one head's keys or values into `dst`
-    /// (`n * head_dim` f32).
-    pub fn gather(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, dst: &mut [f32]) {
+    /// Visit positions `0..n` of one head's keys (kv=0) or values (kv=1)
+    /// block by block: `f(first position, f16 rows of the run)`.
+    fn for_each_run(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, mut f: impl FnMut(usize, &[f16])) {
         let l = self.layout;
         let mut pos = 0;
         for b in blocks {
@@ -146,13 +146,19 @@ impl KvCache {
             }
             let take = (n - pos).min(l.block_size);
             let off = *b as usize * l.block_elems() + l.offset_in_block(layer, kv, head, 0);
-            pdmesh_kernels::attention::f16_to_f32_slice(
-                &self.data[off..off + take * l.head_dim],
-                &mut dst[pos * l.head_dim..(pos + take) * l.head_dim],
-            );
+            f(pos, &self.data[off..off + take * l.head_dim]);
             pos += take;
         }
         assert_eq!(pos, n, "block table too short for {n} positions");
+    }
+
+    /// Gather positions `0..n` of one head's keys or values into `dst`
+    /// (`n * head_dim` f32).
+    pub fn gather(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, dst: &mut [f32]) {
+        let hd = self.layout.head_dim;
+        self.for_each_run(blocks, layer, kv, head, n, |pos, run| {
+            pdmesh_kernels::attention::f16_to_f32_slice(run, &mut dst[pos * hd..pos * hd + run.len()]);
+        });
     }
 
     /// Gather positions `0..n` of one head's values transposed into `dst`
@@ -162,22 +168,15 @@ impl KvCache {
         let l = self.layout;
         assert!(n <= stride && dst.len() >= l.head_dim * stride);
         let mut tmp = vec![0f32; l.block_size * l.head_dim];
-        let mut pos = 0;
-        for b in blocks {
-            if pos >= n {
-                break;
-            }
-            let take = (n - pos).min(l.block_size);
-            let off = *b as usize * l.block_elems() + l.offset_in_block(layer, kv, head, 0);
-            pdmesh_kernels::attention::f16_to_f32_slice(&self.data[off..off + take * l.head_dim], &mut tmp[..take * l.head_dim]);
-            for (s, row) in tmp[..take * l.head_dim].chunks_exact(l.head_dim).enumerate() {
+        self.for_each_run(blocks, layer, kv, head, n, |pos, run| {
+            let tmp = &mut tmp[..run.len()];
+            pdmesh_kernels::attention::f16_to_f32_slice(run, tmp);
+            for (s, row) in tmp.chunks_exact(l.head_dim).enumerate() {
                 for (d, v) in row.iter().enumerate() {
                     dst[d * stride + pos + s] = *v;
                 }
             }
-            pos += take;
-        }
-        assert_eq!(pos, n, "block table too short for {n} positions");
+        });
         for d in 0..l.head_dim {
             dst[d * stride + n..(d + 1) * stride].fill(0.0);
         }
