@@ -9,7 +9,7 @@ pub fn silu_mul_be(be: crate::Backend, gate: &mut [f32], up: &[f32]) {
         return unsafe { crate::ggml_avx2::silu_mul(gate, up) };
     }
     let _ = be;
-    silu_mul(gate, up)
+    crate::ggml_ref::silu_mul(gate, up)
 }
 
 /// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.

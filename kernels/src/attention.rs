@@ -5,8 +5,8 @@
 //! group: keys as rows `[position][dim]`, values transposed `[dim][position]`
 //! so both products run along contiguous memory, as llama.cpp's do.
 
-use crate::activation::softmax;
-use crate::dot::{self, Backend};
+use crate::dot::Backend;
+use crate::ggml_ref;
 #[cfg(target_arch = "x86_64")]
 use crate::ggml_avx2;
 use crate::quant::round_f16;
@@ -78,8 +78,11 @@ fn dot_in_order(be: Backend, order: SumOrder, a: &[f32], b: &[f32]) -> f32 {
             }
         };
     }
-    let _ = (be, order);
-    dot::scalar::dot_f32(a, b)
+    let _ = be;
+    match order {
+        SumOrder::Gemm => ggml_ref::dot_chain(a, b),
+        SumOrder::VecDot => ggml_ref::dot_vec4(a, b),
+    }
 }
 
 fn softmax_in_order(be: Backend, x: &mut [f32]) {
@@ -88,7 +91,8 @@ fn softmax_in_order(be: Backend, x: &mut [f32]) {
         // SAFETY: Backend::Avx2 means AVX2+FMA; x.len() is a multiple of 32.
         return unsafe { ggml_avx2::softmax(x) };
     }
-    softmax(x)
+    let _ = be;
+    ggml_ref::softmax(x)
 }
 
 /// Convert f16 bit patterns to f32 (hardware F16C where the CPU has it).

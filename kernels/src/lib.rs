@@ -15,6 +15,7 @@ pub mod attention;
 pub mod dot;
 #[cfg(target_arch = "x86_64")]
 pub mod ggml_avx2;
+pub mod ggml_ref;
 pub mod matmul;
 pub mod norm;
 pub mod pool;

@@ -29,20 +29,14 @@ fn tokenization_and_chat_template_match_llama_cpp() {
     }
 }
 
-/// With AVX2 the engine repeats llama.cpp's CPU arithmetic operation for
-/// operation (see docs/architecture.md), so its logits equal the golden ones
-/// to the printed precision; other CPUs run the scalar reference and are
-/// held to the issue's tolerance.
-fn bit_exact_backend() -> bool {
-    pdmesh_kernels::Backend::detect() == pdmesh_kernels::Backend::Avx2
-}
-
 /// Logits after prefilling each chat prompt: the top-5 ids in llama.cpp's
-/// order, values within 0.5 (within 1e-4 on AVX2).
+/// order, values equal to within 1e-4 (the issue allows 0.5). The kernels
+/// repeat llama.cpp's AVX2 arithmetic operation for operation, on AVX2 and
+/// in the scalar reference alike (docs/architecture.md), so the logits are
+/// the same numbers, not merely close ones.
 #[test]
 fn first_position_logits_match_llama_cpp_top5() {
     let mut f = fixture();
-    let tol = if bit_exact_backend() { 1e-4 } else { 0.5 };
     for g in golden() {
         let chat = ids(&g["chat_ids"]);
         let id = f.engine.add_sequence(chat, SamplingParams::greedy(1)).unwrap();
@@ -59,14 +53,14 @@ fn first_position_logits_match_llama_cpp_top5() {
         let want_ids: Vec<usize> = want.iter().map(|(i, _)| *i).collect();
         assert_eq!(order[..5], want_ids[..], "{:?}: top-5 ids", g["prompt"]);
         for (id, l) in &want {
-            assert!((logits[*id] - l).abs() <= tol, "{:?}: logit of {id} is {} vs golden {l}", g["prompt"], logits[*id]);
+            assert!((logits[*id] - l).abs() <= 1e-4, "{:?}: logit of {id} is {} vs golden {l}", g["prompt"], logits[*id]);
         }
     }
 }
 
-/// Greedy decoding, 32 tokens past EOS: on AVX2 every prompt follows
-/// llama.cpp token for token; elsewhere the issue's bar (16 tokens on at
-/// least 5 of 6 prompts, first token everywhere but at a near tie).
+/// Greedy decoding, 32 tokens past EOS: every prompt follows llama.cpp
+/// token for token (the issue asks for 16 tokens on 5 of the 6), and the
+/// text up to EOS equals llama.cpp's.
 #[test]
 fn greedy_generation_matches_llama_cpp() {
     let mut f = fixture();
@@ -74,29 +68,21 @@ fn greedy_generation_matches_llama_cpp() {
     let prompts: Vec<Vec<u32>> = records.iter().map(|g| ids(&g["chat_ids"])).collect();
     let params = SamplingParams { max_tokens: 32, ignore_eos: true, ..Default::default() };
     let outs = f.engine.generate_all(&prompts, &params, 8).unwrap();
-    let mut full16 = 0;
     for (g, out) in records.iter().zip(&outs) {
         let want = ids(&g["greedy_ids_32_ignore_eos"]);
         let agree = out.iter().zip(&want).take_while(|(a, b)| a == b).count();
         eprintln!("{:?}: {agree} of {} agree", g["prompt"], want.len());
-        if bit_exact_backend() {
-            assert_eq!(out, &want, "{:?}", g["prompt"]);
-        }
-        let top = g["top5_first"].as_array().unwrap();
-        let near_tie = (top[0]["logit"].as_f64().unwrap() - top[1]["logit"].as_f64().unwrap()).abs() < 0.05;
-        if !near_tie {
-            assert_eq!(out[0], want[0], "first token of {:?}", g["prompt"]);
-        }
-        if agree >= 16 {
-            full16 += 1;
-        }
+        assert_eq!(out, &want, "{:?}", g["prompt"]);
         // The text of the golden greedy run (stopping at EOS) comes out the same.
         let stop = want.iter().position(|t| *t == 2).map_or(want.len(), |p| p + 1);
-        if agree >= stop {
-            assert_eq!(f.tok.decode(&out[..stop], false), g["greedy_text"].as_str().unwrap().trim_end_matches("<|im_end|>"));
-        }
+        assert_eq!(f.tok.decode(&out[..stop], false), g["greedy_text"].as_str().unwrap().trim_end_matches("<|im_end|>"));
     }
-    assert!(full16 >= 5, "only {full16} of 6 prompts agree on the first 16 greedy tokens");
+    // Stopping at EOS (inclusive) gives llama.cpp's `greedy_ids`.
+    let stopping = SamplingParams { max_tokens: 32, ..Default::default() };
+    let outs = f.engine.generate_all(&prompts, &stopping, 8).unwrap();
+    for (g, out) in records.iter().zip(&outs) {
+        assert_eq!(out, &ids(&g["greedy_ids"]), "{:?}", g["prompt"]);
+    }
 }
 
 /// Harder text than the golden prompts (unicode, emoji, whitespace runs,
