@@ -1,0 +1,14 @@
+//! Compiles the .proto files with protox (no system protoc) and keeps the
+//! encoded descriptor set for gRPC reflection.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protos = ["pdmesh/tokenizer/v1/tokenizer.proto"];
+    for p in protos {
+        println!("cargo:rerun-if-changed={p}");
+    }
+    let fds = protox::compile(protos, ["."])?;
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(out.join("pdmesh_descriptor.bin"), prost::Message::encode_to_vec(&fds))?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}

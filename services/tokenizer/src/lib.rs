@@ -1,0 +1,66 @@
+//! pdmesh tokenizer service: `pdmesh.tokenizer.v1.Tokenizer` over gRPC —
+//! encode (raw or chat-templated), incremental detokenize, model info —
+//! plus `grpc.health.v1` and reflection. Reads only the GGUF's tokenizer
+//! metadata; stateless, so any number of replicas can run.
+//!
+//! ```no_run
+//! # async fn f(cfg: pdmesh_tokenizer::config::Config) -> Result<(), pdmesh_tokenizer::error::Error> {
+//! let listener = tokio::net::TcpListener::bind(cfg.listen).await.expect("bind");
+//! pdmesh_tokenizer::serve(cfg, listener, std::future::pending()).await
+//! # }
+//! ```
+
+pub mod config;
+pub mod error;
+pub mod server;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use pdmesh_engine::gguf::Gguf;
+use pdmesh_engine::{ModelConfig, Tokenizer};
+use pdmesh_proto::tokenizer::v1 as pb;
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::error::Error;
+
+/// Load the tokenizer, then serve on `listener` until `shutdown` resolves.
+/// Health reports SERVING only once the tokenizer is loaded.
+pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health.set_not_serving::<pb::tokenizer_server::TokenizerServer<server::Service>>().await;
+    let path = match &config.model {
+        Some(p) => p.clone(),
+        None => tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model).await.expect("fetch task")?,
+    };
+    let (tok, info) = tokio::task::spawn_blocking(move || -> Result<_, Error> {
+        let g = Gguf::open(&path)?;
+        let tok = Tokenizer::from_gguf(&g)?;
+        let mc = ModelConfig::from_gguf(&g)?;
+        let info = pb::InfoResponse {
+            model: mc.name.clone(),
+            vocab_size: tok.vocab_size() as u32,
+            bos_id: tok.bos_id,
+            eos_id: tok.eos_id,
+            context_length: mc.context_length as u32,
+        };
+        Ok((tok, info))
+    })
+    .await
+    .expect("load task")?;
+    let svc = server::Service { tok: Arc::new(tok), info, max_input_bytes: config.max_input_bytes };
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
+        .with_service_name("pdmesh.tokenizer.v1.Tokenizer")
+        .build_v1()
+        .map_err(|e| Error::Engine(pdmesh_engine::EngineError::InvalidArgument(e.to_string())))?;
+    health.set_serving::<pb::tokenizer_server::TokenizerServer<server::Service>>().await;
+    tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(reflection)
+        .add_service(pb::tokenizer_server::TokenizerServer::new(svc))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! The gRPC handlers (thin: the work is in `pdmesh_engine::Tokenizer`).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use pdmesh_engine::{ChatMessage, IncrementalDecoder, Tokenizer};
+use pdmesh_proto::tokenizer::v1 as pb;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::Error;
+
+pub struct Service {
+    pub tok: Arc<Tokenizer>,
+    pub info: pb::InfoResponse,
+    pub max_input_bytes: usize,
+}
+
+impl Service {
+    fn check_size(&self, size: usize) -> Result<(), Error> {
+        if size > self.max_input_bytes {
+            return Err(Error::TooLarge { size, limit: self.max_input_bytes });
+        }
+        Ok(())
+    }
+}
+
+type TextStream = Pin<Box<dyn Stream<Item = Result<pb::DetokenizeResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::tokenizer_server::Tokenizer for Service {
+    async fn encode(&self, req: Request<pb::EncodeRequest>) -> Result<Response<pb::EncodeResponse>, Status> {
+        let req = req.into_inner();
+        let tok = self.tok.clone();
+        let ids = match req.input {
+            Some(pb::encode_request::Input::Prompt(text)) => {
+                self.check_size(text.len())?;
+                let parse = req.parse_special;
+                // Long texts take milliseconds: keep them off the async workers.
+                tokio::task::spawn_blocking(move || tok.encode(&text, parse)).await.map_err(|e| Status::internal(e.to_string()))?
+            }
+            Some(pb::encode_request::Input::Chat(chat)) => {
+                self.check_size(chat.messages.iter().map(|m| m.content.len()).sum())?;
+                let msgs: Vec<ChatMessage> = chat.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
+                tokio::task::spawn_blocking(move || tok.encode_chat(&msgs)).await.map_err(|e| Status::internal(e.to_string()))?
+            }
+            None => return Err(Error::NoInput.into()),
+        };
+        Ok(Response::new(pb::EncodeResponse { ids: ids.map_err(Error::from)? }))
+    }
+
+    type DetokenizeStream = TextStream;
+
+    async fn detokenize(&self, req: Request<Streaming<pb::DetokenizeRequest>>) -> Result<Response<TextStream>, Status> {
+        let mut input = req.into_inner();
+        let tok = self.tok.clone();
+        let vocab = tok.vocab_size() as u32;
+        let out = async_stream(move |tx| async move {
+            let mut dec: Option<IncrementalDecoder> = None;
+            while let Some(msg) = input.next().await {
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                let d = dec.get_or_insert_with(|| IncrementalDecoder::new(msg.render_special));
+                let mut text = String::new();
+                for id in msg.ids {
+                    if id >= vocab {
+                        let _ = tx.send(Err(Error::BadToken(id).into())).await;
+                        return;
+                    }
+                    text.push_str(&d.push(&tok, id));
+                }
+                if tx.send(Ok(pb::DetokenizeResponse { text })).await.is_err() {
+                    return; // client gone
+                }
+            }
+            if let Some(mut d) = dec {
+                let rest = d.finish();
+                if !rest.is_empty() {
+                    let _ = tx.send(Ok(pb::DetokenizeResponse { text: rest })).await;
+                }
+            }
+        });
+        Ok(Response::new(out))
+    }
+
+    async fn info(&self, _req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+}
+
+/// A response stream fed by a task through a small channel; the task ends
+/// when the client goes away (its sends fail).
+fn async_stream<F, Fut>(f: F) -> TextStream
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<pb::DetokenizeResponse, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(f(tx));
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
