@@ -1,5 +1,9 @@
-//! Shared runtime of pdmesh services. For now: service discovery
-//! ([`discovery`]) with the single-machine `file` backend; the Consul backend,
-//! shared flags, health, metrics and tracing helpers join it as the mesh grows.
+//! Shared runtime of pdmesh services: the flags they share ([`args`]),
+//! service discovery ([`discovery`], file registry backend; Consul comes
+//! later) and the HTTP admin endpoints every service serves ([`admin`]:
+//! /health, /metrics, /statusz). Metrics registries and tracing helpers
+//! join it as the mesh grows.
 
+pub mod admin;
+pub mod args;
 pub mod discovery;

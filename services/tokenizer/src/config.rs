@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-#[derive(clap::Parser, Debug, Clone)]
+#[derive(clap::Parser, Debug, Clone, serde::Serialize)]
 #[command(name = "pdmesh-tokenizer", version, about = "pdmesh tokenizer service (gRPC)")]
 pub struct Config {
     /// gRPC listen address.
@@ -15,4 +15,6 @@ pub struct Config {
     /// Largest prompt or chat content accepted, in bytes; larger requests get INVALID_ARGUMENT.
     #[arg(long, env = "PDMESH_TOKENIZER_MAX_INPUT_BYTES", default_value_t = 1 << 20)]
     pub max_input_bytes: usize,
+    #[command(flatten)]
+    pub common: pdmesh_core::args::CommonArgs,
 }

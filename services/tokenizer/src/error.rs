@@ -12,8 +12,14 @@ pub enum Error {
     NoInput,
     #[error("token id {0} is outside the vocabulary")]
     BadToken(u32),
-    #[error("listening: {0}")]
+    #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("discovery: {0}")]
+    Discovery(#[from] pdmesh_core::discovery::DiscoveryError),
+    #[error("reflection: {0}")]
+    Reflection(String),
 }
 
 impl Error {
@@ -25,6 +31,9 @@ impl Error {
             Error::NoInput => "no_input",
             Error::BadToken(_) => "bad_token",
             Error::Transport(_) => "transport",
+            Error::Listen { .. } => "listen",
+            Error::Discovery(_) => "discovery",
+            Error::Reflection(_) => "reflection",
         }
     }
 }
@@ -35,7 +44,9 @@ impl From<Error> for tonic::Status {
         match &e {
             Error::Engine(inner) if inner.is_bad_input() => tonic::Status::invalid_argument(msg),
             Error::TooLarge { .. } | Error::NoInput | Error::BadToken(_) => tonic::Status::invalid_argument(msg),
-            Error::Engine(_) | Error::Transport(_) => tonic::Status::internal(msg),
+            Error::Engine(_) | Error::Transport(_) | Error::Listen { .. } | Error::Discovery(_) | Error::Reflection(_) => {
+                tonic::Status::internal(msg)
+            }
         }
     }
 }

@@ -12,11 +12,14 @@
 
 pub mod config;
 pub mod error;
+pub mod metrics;
 pub mod server;
 
 use std::future::Future;
 use std::sync::Arc;
 
+use pdmesh_core::admin::AdminState;
+use pdmesh_core::discovery::{Discovery, FileRegistry, Instance};
 use pdmesh_engine::gguf::Gguf;
 use pdmesh_engine::{ModelConfig, Tokenizer};
 use pdmesh_proto::tokenizer::v1 as pb;
@@ -26,10 +29,27 @@ use crate::config::Config;
 use crate::error::Error;
 
 /// Load the tokenizer, then serve on `listener` until `shutdown` resolves.
-/// Health reports SERVING only once the tokenizer is loaded.
+/// gRPC health and `/health` report ready only once the tokenizer is
+/// loaded; the instance is announced in the registry (if configured) while
+/// it serves and withdrawn when it stops.
 pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_not_serving::<pb::tokenizer_server::TokenizerServer<server::Service>>().await;
+    let metrics = Arc::new(metrics::Metrics::default());
+    let m2 = metrics.clone();
+    let admin = AdminState::new("tokenizer", serde_json::to_value(&config).unwrap_or_default(), Arc::new(move || m2.render()));
+    let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+    let http_addr = match config.common.http_listen {
+        Some(addr) => {
+            let l = TcpListener::bind(addr).await.map_err(|e| Error::Listen { addr, source: e })?;
+            let bound = l.local_addr().map_err(|e| Error::Listen { addr, source: e })?;
+            tokio::spawn(pdmesh_core::admin::serve_admin(l, admin.clone(), async {
+                let _ = admin_stopped.await;
+            }));
+            Some(bound)
+        }
+        None => None,
+    };
     let path = match &config.model {
         Some(p) => p.clone(),
         None => tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model).await.expect("fetch task")?,
@@ -49,18 +69,41 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     })
     .await
     .expect("load task")?;
-    let svc = server::Service { tok: Arc::new(tok), info, max_input_bytes: config.max_input_bytes };
+    let svc = server::Service { tok: Arc::new(tok), info, max_input_bytes: config.max_input_bytes, metrics };
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
         .with_service_name("pdmesh.tokenizer.v1.Tokenizer")
         .build_v1()
-        .map_err(|e| Error::Engine(pdmesh_engine::EngineError::InvalidArgument(e.to_string())))?;
+        .map_err(|e| Error::Reflection(e.to_string()))?;
     health.set_serving::<pb::tokenizer_server::TokenizerServer<server::Service>>().await;
-    tonic::transport::Server::builder()
+    admin.set_ready(true);
+    let grpc_addr = listener.local_addr().map_err(|e| Error::Listen { addr: config.listen, source: e })?;
+    let registration = match &config.common.registry_dir {
+        Some(dir) => {
+            let reg = FileRegistry::new(dir, std::time::Duration::from_secs(config.common.registry_ttl_s.max(1)));
+            let id = config.common.instance_id.clone().unwrap_or_else(|| format!("tokenizer-{}", std::process::id()));
+            let inst = Instance {
+                service: "tokenizer".into(),
+                id,
+                grpc_addr: grpc_addr.to_string(),
+                http_addr: http_addr.map(|a| a.to_string()),
+                meta: Default::default(),
+            };
+            Some(reg.register(inst).await?)
+        }
+        None => None,
+    };
+    let result = tonic::transport::Server::builder()
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(pb::tokenizer_server::TokenizerServer::new(svc))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
-        .await?;
+        .await;
+    admin.set_ready(false);
+    if let Some(r) = registration {
+        r.deregister()?;
+    }
+    let _ = admin_stop.send(());
+    result?;
     Ok(())
 }

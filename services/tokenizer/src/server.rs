@@ -9,11 +9,13 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::Error;
+use crate::metrics::{self, outcome_of, Metrics, Outcome};
 
 pub struct Service {
     pub tok: Arc<Tokenizer>,
     pub info: pb::InfoResponse,
     pub max_input_bytes: usize,
+    pub metrics: Arc<Metrics>,
 }
 
 impl Service {
@@ -30,7 +32,33 @@ type TextStream = Pin<Box<dyn Stream<Item = Result<pb::DetokenizeResponse, Statu
 #[tonic::async_trait]
 impl pb::tokenizer_server::Tokenizer for Service {
     async fn encode(&self, req: Request<pb::EncodeRequest>) -> Result<Response<pb::EncodeResponse>, Status> {
-        let req = req.into_inner();
+        let r = self.encode_inner(req.into_inner()).await;
+        self.metrics.record(metrics::ENCODE, r.as_ref().map_or_else(outcome_of, |_| Outcome::Ok));
+        r.map(Response::new)
+    }
+
+    type DetokenizeStream = TextStream;
+
+    async fn detokenize(&self, req: Request<Streaming<pb::DetokenizeRequest>>) -> Result<Response<TextStream>, Status> {
+        let mut input = req.into_inner();
+        let tok = self.tok.clone();
+        let vocab = tok.vocab_size() as u32;
+        let metrics = self.metrics.clone();
+        let out = async_stream(move |tx| async move {
+            let outcome = detokenize_loop(&tok, vocab, &mut input, &tx).await;
+            metrics.record(metrics::DETOKENIZE, outcome);
+        });
+        Ok(Response::new(out))
+    }
+
+    async fn info(&self, _req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        self.metrics.record(metrics::INFO, Outcome::Ok);
+        Ok(Response::new(self.info.clone()))
+    }
+}
+
+impl Service {
+    async fn encode_inner(&self, req: pb::EncodeRequest) -> Result<pb::EncodeResponse, Status> {
         let tok = self.tok.clone();
         let ids = match req.input {
             Some(pb::encode_request::Input::Prompt(text)) => {
@@ -46,51 +74,47 @@ impl pb::tokenizer_server::Tokenizer for Service {
             }
             None => return Err(Error::NoInput.into()),
         };
-        Ok(Response::new(pb::EncodeResponse { ids: ids.map_err(Error::from)? }))
+        Ok(pb::EncodeResponse { ids: ids.map_err(Error::from)? })
     }
+}
 
-    type DetokenizeStream = TextStream;
-
-    async fn detokenize(&self, req: Request<Streaming<pb::DetokenizeRequest>>) -> Result<Response<TextStream>, Status> {
-        let mut input = req.into_inner();
-        let tok = self.tok.clone();
-        let vocab = tok.vocab_size() as u32;
-        let out = async_stream(move |tx| async move {
-            let mut dec: Option<IncrementalDecoder> = None;
-            while let Some(msg) = input.next().await {
-                let msg = match msg {
-                    Ok(m) => m,
-                    Err(status) => {
-                        let _ = tx.send(Err(status)).await;
-                        return;
-                    }
-                };
-                let d = dec.get_or_insert_with(|| IncrementalDecoder::new(msg.render_special));
-                let mut text = String::new();
-                for id in msg.ids {
-                    if id >= vocab {
-                        let _ = tx.send(Err(Error::BadToken(id).into())).await;
-                        return;
-                    }
-                    text.push_str(&d.push(&tok, id));
-                }
-                if tx.send(Ok(pb::DetokenizeResponse { text })).await.is_err() {
-                    return; // client gone
-                }
+/// Feed the detokenizer until the client's stream ends; returns the outcome.
+async fn detokenize_loop(
+    tok: &Tokenizer,
+    vocab: u32,
+    input: &mut Streaming<pb::DetokenizeRequest>,
+    tx: &tokio::sync::mpsc::Sender<Result<pb::DetokenizeResponse, Status>>,
+) -> Outcome {
+    let mut dec: Option<IncrementalDecoder> = None;
+    while let Some(msg) = input.next().await {
+        let msg = match msg {
+            Ok(m) => m,
+            Err(status) => {
+                let o = outcome_of(&status);
+                let _ = tx.send(Err(status)).await;
+                return o;
             }
-            if let Some(mut d) = dec {
-                let rest = d.finish();
-                if !rest.is_empty() {
-                    let _ = tx.send(Ok(pb::DetokenizeResponse { text: rest })).await;
-                }
+        };
+        let d = dec.get_or_insert_with(|| IncrementalDecoder::new(msg.render_special));
+        let mut text = String::new();
+        for id in msg.ids {
+            if id >= vocab {
+                let _ = tx.send(Err(Error::BadToken(id).into())).await;
+                return Outcome::InvalidArgument;
             }
-        });
-        Ok(Response::new(out))
+            text.push_str(&d.push(tok, id));
+        }
+        if tx.send(Ok(pb::DetokenizeResponse { text })).await.is_err() {
+            return Outcome::Ok; // the client went away; nothing failed here
+        }
     }
-
-    async fn info(&self, _req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
-        Ok(Response::new(self.info.clone()))
+    if let Some(mut d) = dec {
+        let rest = d.finish();
+        if !rest.is_empty() {
+            let _ = tx.send(Ok(pb::DetokenizeResponse { text: rest })).await;
+        }
     }
+    Outcome::Ok
 }
 
 /// A response stream fed by a task through a small channel; the task ends

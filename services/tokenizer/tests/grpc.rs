@@ -6,12 +6,17 @@ use serde_json::Value;
 use tonic::Code;
 
 async fn boot() -> (String, tokio::sync::oneshot::Sender<()>) {
+    let (addr, stop, _task) = boot_with(Default::default()).await;
+    (addr, stop)
+}
+
+async fn boot_with(common: pdmesh_core::args::CommonArgs) -> (String, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
     let model = pdmesh_engine::fetch::ensure_model().expect("model");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let cfg = pdmesh_tokenizer::config::Config { listen: listener.local_addr().unwrap(), model: Some(model), max_input_bytes: 4096 };
-    tokio::spawn(async move {
+    let cfg = pdmesh_tokenizer::config::Config { listen: listener.local_addr().unwrap(), model: Some(model), max_input_bytes: 4096, common };
+    let task = tokio::spawn(async move {
         pdmesh_tokenizer::serve(cfg, listener, async {
             let _ = rx.await;
         })
@@ -26,7 +31,7 @@ async fn boot() -> (String, tokio::sync::oneshot::Sender<()>) {
             let req = tonic_health::pb::HealthCheckRequest { service: "pdmesh.tokenizer.v1.Tokenizer".into() };
             if let Ok(r) = h.check(req).await {
                 if r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32 {
-                    return (addr, tx);
+                    return (addr, tx, task);
                 }
             }
         }
@@ -106,4 +111,51 @@ async fn bad_input_is_invalid_argument() {
     // Still serving afterwards.
     assert!(c.info(pb::InfoRequest {}).await.is_ok());
     let _ = stop.send(());
+}
+
+/// A plain HTTP/1.1 GET, as a Consul check or curl would do it.
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let code = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (code, resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announces_itself_serves_admin_endpoints_and_withdraws_on_shutdown() {
+    use pdmesh_core::discovery::{Discovery, FileRegistry};
+    let dir = std::env::temp_dir().join(format!("pdmesh-tok-registry-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let common = pdmesh_core::args::CommonArgs {
+        http_listen: Some("127.0.0.1:0".parse().unwrap()),
+        registry_dir: Some(dir.clone()),
+        registry_ttl_s: 10,
+        instance_id: Some("tok-test".into()),
+    };
+    let (addr, stop, task) = boot_with(common).await;
+    let reg = FileRegistry::new(&dir, std::time::Duration::from_secs(10));
+    let live = reg.healthy("tokenizer").await.unwrap();
+    assert_eq!(live.len(), 1);
+    assert_eq!(format!("http://{}", live[0].grpc_addr), addr);
+    let http = live[0].http_addr.clone().expect("http address announced");
+
+    let mut c = TokenizerClient::connect(addr).await.unwrap();
+    c.encode(chat("user", "hello")).await.unwrap();
+    let _ = c.encode(chat("wizard", "hello")).await.unwrap_err();
+    let h = http.clone();
+    let (health, metrics, statusz) = tokio::task::spawn_blocking(move || (http_get(&h, "/health"), http_get(&h, "/metrics"), http_get(&h, "/statusz"))).await.unwrap();
+    assert_eq!(health, (200, "ok\n".to_string()));
+    assert!(metrics.1.contains("pdmesh_tokenizer_requests_total{rpc=\"encode\",outcome=\"ok\"} 1"), "{}", metrics.1);
+    assert!(metrics.1.contains("pdmesh_tokenizer_requests_total{rpc=\"encode\",outcome=\"invalid_argument\"} 1"), "{}", metrics.1);
+    let v: Value = serde_json::from_str(&statusz.1).unwrap();
+    assert_eq!(v["service"], "pdmesh-tokenizer");
+    assert_eq!(v["config"]["max_input_bytes"], 4096);
+
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    assert!(reg.healthy("tokenizer").await.unwrap().is_empty(), "a stopped tokenizer must leave the registry");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

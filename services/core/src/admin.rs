@@ -1,0 +1,81 @@
+//! The HTTP side every service exposes beside its gRPC port:
+//!
+//! - `GET /health`: 200 `ok` when the service is ready, 503 `not ready`
+//!   otherwise (what Consul's HTTP check and `meshctl up` wait on);
+//! - `GET /metrics`: Prometheus text (`pdmesh_*`);
+//! - `GET /statusz`: JSON with the effective configuration, build, pid and
+//!   start time — "is the knob live in the running process?" is one call.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use tokio::net::TcpListener;
+
+/// Renders the service's current metrics as Prometheus text.
+pub type MetricsFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// What the admin endpoints report. Cheap to clone; share it with the service.
+#[derive(Clone)]
+pub struct AdminState {
+    ready: Arc<AtomicBool>,
+    statusz: Arc<serde_json::Value>,
+    metrics: MetricsFn,
+}
+
+impl AdminState {
+    /// `service` is the short name (`tokenizer`, `decode`, ...); `config` the
+    /// effective configuration, serialised as the process sees it.
+    pub fn new(service: &str, config: serde_json::Value, metrics: MetricsFn) -> AdminState {
+        let started = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let statusz = serde_json::json!({
+            "service": format!("pdmesh-{service}"),
+            "version": env!("CARGO_PKG_VERSION"),
+            "pid": std::process::id(),
+            "start_time_unix": started,
+            "config": config,
+        });
+        AdminState { ready: Arc::new(AtomicBool::new(false)), statusz: Arc::new(statusz), metrics }
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Release);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+}
+
+/// Serve the admin endpoints on `listener` until `shutdown` resolves.
+pub async fn serve_admin(listener: TcpListener, state: AdminState, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/statusz", get(statusz))
+        .with_state(state);
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+async fn health(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {
+    if s.is_ready() {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+async fn metrics(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], (s.metrics)())
+}
+
+async fn statusz(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {
+    let mut v = (*s.statusz).clone();
+    v["ready"] = serde_json::Value::Bool(s.is_ready());
+    ([(header::CONTENT_TYPE, "application/json")], v.to_string())
+}

@@ -1,0 +1,20 @@
+//! Flags every service shares, flattened into each service's own `Config`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug, Clone, Default, serde::Serialize)]
+pub struct CommonArgs {
+    /// HTTP address for /health, /metrics and /statusz (off when unset).
+    #[arg(long, env = "PDMESH_HTTP_LISTEN")]
+    pub http_listen: Option<SocketAddr>,
+    /// File-registry folder to announce this instance in (off when unset).
+    #[arg(long, env = "PDMESH_REGISTRY_DIR")]
+    pub registry_dir: Option<PathBuf>,
+    /// Seconds after which a registry entry without heartbeat counts as dead.
+    #[arg(long, env = "PDMESH_REGISTRY_TTL_S", default_value_t = 10)]
+    pub registry_ttl_s: u64,
+    /// Instance id in the registry (default: `<service>-<pid>`).
+    #[arg(long, env = "PDMESH_INSTANCE_ID")]
+    pub instance_id: Option<String>,
+}
