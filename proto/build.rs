@@ -2,7 +2,14 @@
 //! encoded descriptor set for gRPC reflection.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["pdmesh/tokenizer/v1/tokenizer.proto"];
+    let protos = [
+        "pdmesh/common/v1/common.proto",
+        "pdmesh/tokenizer/v1/tokenizer.proto",
+        "pdmesh/router/v1/router.proto",
+        "pdmesh/prefill/v1/prefill.proto",
+        "pdmesh/decode/v1/decode.proto",
+        "pdmesh/kvbroker/v1/kvbroker.proto",
+    ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }
