@@ -7,3 +7,4 @@
 pub mod admin;
 pub mod args;
 pub mod discovery;
+pub mod signal;

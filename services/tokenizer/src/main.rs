@@ -13,23 +13,11 @@ async fn main() -> std::process::ExitCode {
         }
     };
     eprintln!("pdmesh-tokenizer: listening on {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
-    match pdmesh_tokenizer::serve(cfg, listener, shutdown_signal()).await {
+    match pdmesh_tokenizer::serve(cfg, listener, pdmesh_core::signal::shutdown_signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             std::process::ExitCode::FAILURE
         }
-    }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return ctrl_c.await.unwrap_or(()),
-    };
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term.recv() => {}
     }
 }

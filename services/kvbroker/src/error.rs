@@ -1,0 +1,33 @@
+//! The broker's errors and their one mapping to gRPC status codes.
+
+use crate::tickets::TicketError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Ticket(#[from] TicketError),
+    #[error("unknown agent {0}")]
+    UnknownAgent(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("discovery: {0}")]
+    Discovery(#[from] pdmesh_core::discovery::DiscoveryError),
+    #[error("reflection: {0}")]
+    Reflection(String),
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> tonic::Status {
+        let msg = e.to_string();
+        match e {
+            Error::Ticket(TicketError::NotFound(_)) | Error::UnknownAgent(_) => tonic::Status::not_found(msg),
+            Error::Ticket(TicketError::WrongState(..)) => tonic::Status::failed_precondition(msg),
+            Error::Ticket(TicketError::Invalid(_)) | Error::Invalid(_) => tonic::Status::invalid_argument(msg),
+            Error::Transport(_) | Error::Listen { .. } | Error::Discovery(_) | Error::Reflection(_) => tonic::Status::internal(msg),
+        }
+    }
+}

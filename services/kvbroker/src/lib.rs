@@ -1,0 +1,116 @@
+//! pdmesh KV-transfer broker: the control plane of KV moves between prefill
+//! and decode workers — agent registry, transfer tickets with leases, and
+//! fan-out of every state change to whoever watches a ticket, so an abort on
+//! either side frees blocks on both. Data never passes through it.
+
+pub mod config;
+pub mod error;
+pub mod server;
+pub mod tickets;
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pdmesh_core::admin::AdminState;
+use pdmesh_core::discovery::{Discovery, FileRegistry, Instance};
+use pdmesh_proto::kvbroker::v1 as pb;
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::error::Error;
+use crate::tickets::Tickets;
+
+fn render_metrics(t: &Tickets, expired_total: u64) -> String {
+    let counts = t.count_by_state();
+    let mut s = String::from("# HELP pdmesh_kvbroker_tickets Tickets held by the broker, by state.\n# TYPE pdmesh_kvbroker_tickets gauge\n");
+    for st in [
+        pb::TicketState::Unspecified,
+        pb::TicketState::Open,
+        pb::TicketState::Claimed,
+        pb::TicketState::Writing,
+        pb::TicketState::Done,
+        pb::TicketState::Failed,
+        pb::TicketState::Cancelled,
+        pb::TicketState::Expired,
+    ] {
+        let name = st.as_str_name().trim_start_matches("TICKET_STATE_").to_lowercase();
+        let name = if name == "unspecified" { "expected".to_string() } else { name };
+        s.push_str(&format!("pdmesh_kvbroker_tickets{{state=\"{name}\"}} {}\n", counts.get(&st).copied().unwrap_or(0)));
+    }
+    s.push_str("# HELP pdmesh_kvbroker_lease_expiries_total Tickets ended by lease expiry.\n# TYPE pdmesh_kvbroker_lease_expiries_total counter\n");
+    s.push_str(&format!("pdmesh_kvbroker_lease_expiries_total {expired_total}\n"));
+    s
+}
+
+/// Serve the broker on `listener` until `shutdown` resolves.
+pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+    let tickets = Arc::new(Mutex::new(Tickets::new(Duration::from_secs(config.retention_s))));
+    let expired_total = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (t2, e2) = (tickets.clone(), expired_total.clone());
+    let admin = AdminState::new(
+        "kvbroker",
+        serde_json::to_value(&config).unwrap_or_default(),
+        Arc::new(move || render_metrics(&t2.lock().unwrap_or_else(|e| e.into_inner()), e2.load(std::sync::atomic::Ordering::Relaxed))),
+    );
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let http_addr = match config.common.http_listen {
+        Some(addr) => {
+            let l = TcpListener::bind(addr).await.map_err(|e| Error::Listen { addr, source: e })?;
+            let bound = l.local_addr().map_err(|e| Error::Listen { addr, source: e })?;
+            let mut rx = stop_rx.clone();
+            tokio::spawn(pdmesh_core::admin::serve_admin(l, admin.clone(), async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }));
+            Some(bound)
+        }
+        None => None,
+    };
+    // Lease clock.
+    let (t3, e3, mut rx) = (tickets.clone(), expired_total.clone(), stop_rx.clone());
+    let tick = Duration::from_millis(config.tick_ms.max(1));
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(tick);
+        loop {
+            tokio::select! {
+                _ = every.tick() => {
+                    let n = t3.lock().unwrap_or_else(|e| e.into_inner()).tick(server::now_ms()).len();
+                    e3.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                _ = rx.wait_for(|s| *s) => return,
+            }
+        }
+    });
+    let broker = server::Broker { tickets, agents: Mutex::new(Default::default()), max_lease_ms: config.max_lease_ms };
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health.set_serving::<pb::kv_broker_server::KvBrokerServer<server::Broker>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
+        .with_service_name("pdmesh.kvbroker.v1.KvBroker")
+        .build_v1()
+        .map_err(|e| Error::Reflection(e.to_string()))?;
+    admin.set_ready(true);
+    let grpc_addr = listener.local_addr().map_err(|e| Error::Listen { addr: config.listen, source: e })?;
+    let registration = match &config.common.registry_dir {
+        Some(dir) => {
+            let reg = FileRegistry::new(dir, Duration::from_secs(config.common.registry_ttl_s.max(1)));
+            let id = config.common.instance_id.clone().unwrap_or_else(|| format!("kvbroker-{}", std::process::id()));
+            let inst = Instance { service: "kvbroker".into(), id, grpc_addr: grpc_addr.to_string(), http_addr: http_addr.map(|a| a.to_string()), meta: Default::default() };
+            Some(reg.register(inst).await?)
+        }
+        None => None,
+    };
+    let result = tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(reflection)
+        .add_service(pb::kv_broker_server::KvBrokerServer::new(broker))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .await;
+    admin.set_ready(false);
+    if let Some(r) = registration {
+        r.deregister()?;
+    }
+    let _ = stop_tx.send(true);
+    result?;
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! The gRPC handlers over the ticket table and the agent registry.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use pdmesh_proto::kvbroker::v1 as pb;
+use pb::{Ticket, TicketState};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::error::Error;
+use crate::tickets::{is_terminal, Tickets};
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+pub struct Broker {
+    pub tickets: Arc<Mutex<Tickets>>,
+    pub agents: Mutex<HashMap<String, pb::Agent>>,
+    pub max_lease_ms: u32,
+}
+
+impl Broker {
+    fn table(&self) -> std::sync::MutexGuard<'_, Tickets> {
+        self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lease(&self, ms: u32) -> Result<u32, Error> {
+        if ms == 0 || ms > self.max_lease_ms {
+            return Err(Error::Invalid(format!("lease_ms must be 1..={}, got {ms}", self.max_lease_ms)));
+        }
+        Ok(ms)
+    }
+}
+
+fn state(t: &Ticket) -> TicketState {
+    TicketState::try_from(t.state).unwrap_or(TicketState::Unspecified)
+}
+
+type TicketStream = Pin<Box<dyn Stream<Item = Result<Ticket, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::kv_broker_server::KvBroker for Broker {
+    async fn register_agent(&self, req: Request<pb::RegisterAgentRequest>) -> Result<Response<pb::RegisterAgentResponse>, Status> {
+        let agent = req.into_inner().agent.ok_or_else(|| Error::Invalid("agent is required".into()))?;
+        if agent.worker_id.is_empty() {
+            return Err(Error::Invalid("agent.worker_id is required".into()).into());
+        }
+        self.agents.lock().unwrap_or_else(|e| e.into_inner()).insert(agent.worker_id.clone(), agent);
+        Ok(Response::new(pb::RegisterAgentResponse {}))
+    }
+
+    async fn get_agent(&self, req: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
+        let id = req.into_inner().worker_id;
+        let agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
+        let a = agents.get(&id).cloned().ok_or(Error::UnknownAgent(id))?;
+        Ok(Response::new(a))
+    }
+
+    async fn open_ticket(&self, req: Request<pb::OpenTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let r = req.into_inner();
+        let lease = self.lease(r.lease_ms)?;
+        let t = self.table().open(&r.request_id, &r.dest_worker, r.dest_blocks, r.n_tokens, lease, now_ms()).map_err(Error::from)?;
+        Ok(Response::new(t))
+    }
+
+    /// Waits (bounded by the caller's deadline) for the decode worker to open the ticket.
+    async fn claim_ticket(&self, req: Request<pb::ClaimTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let r = req.into_inner();
+        let mut rx = self.table().subscribe(&r.request_id, now_ms());
+        let cur = rx
+            .wait_for(|t| state(t) != TicketState::Unspecified)
+            .await
+            .map_err(|_| Status::unavailable("broker shutting down"))?
+            .clone();
+        if state(&cur) != TicketState::Open {
+            return Err(Error::from(crate::tickets::TicketError::WrongState(r.request_id, state(&cur))).into());
+        }
+        let t = self.table().claim(&r.request_id, &r.source_worker, now_ms()).map_err(Error::from)?;
+        Ok(Response::new(t))
+    }
+
+    async fn complete_ticket(&self, req: Request<pb::CompleteTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let r = req.into_inner();
+        let outcome = match r.outcome {
+            Some(pb::complete_ticket_request::Outcome::FirstToken(t)) => Ok(t),
+            Some(pb::complete_ticket_request::Outcome::Failure(why)) => Err(why),
+            None => return Err(Error::Invalid("outcome is required".into()).into()),
+        };
+        let t = self.table().complete(&r.request_id, outcome, r.bytes, now_ms()).map_err(Error::from)?;
+        Ok(Response::new(t))
+    }
+
+    async fn cancel_ticket(&self, req: Request<pb::CancelTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let r = req.into_inner();
+        if r.request_id.is_empty() {
+            return Err(Error::Invalid("request_id is required".into()).into());
+        }
+        Ok(Response::new(self.table().cancel(&r.request_id, &r.reason, now_ms())))
+    }
+
+    async fn renew_lease(&self, req: Request<pb::RenewLeaseRequest>) -> Result<Response<Ticket>, Status> {
+        let r = req.into_inner();
+        let lease = self.lease(r.lease_ms)?;
+        Ok(Response::new(self.table().renew(&r.request_id, lease, now_ms()).map_err(Error::from)?))
+    }
+
+    type WatchTicketStream = TicketStream;
+
+    /// The current ticket, then each change, ending after a terminal state.
+    async fn watch_ticket(&self, req: Request<pb::WatchTicketRequest>) -> Result<Response<TicketStream>, Status> {
+        let id = req.into_inner().request_id;
+        if id.is_empty() {
+            return Err(Error::Invalid("request_id is required".into()).into());
+        }
+        let mut rx = self.table().subscribe(&id, now_ms());
+        let (tx, out) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            loop {
+                let t = rx.borrow_and_update().clone();
+                let end = is_terminal(state(&t));
+                if tx.send(Ok(t)).await.is_err() || end {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
+    }
+}

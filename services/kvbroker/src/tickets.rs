@@ -1,0 +1,270 @@
+//! The transfer-ticket table: a ticket per request id, its state machine,
+//! leases, and a watch channel per ticket so every party learns of a state
+//! change at once.
+//!
+//! ```text
+//!   (expected) --open--> OPEN --claim--> CLAIMED --complete--> DONE | FAILED
+//!        \                 \               \
+//!         `-- cancel / lease expiry from any non-terminal state --> CANCELLED | EXPIRED
+//! ```
+//!
+//! A ticket can be asked about (claimed, watched, cancelled) before its
+//! decode worker opens it: the router dispatches to prefill and decode at
+//! once. Such an "expected" entry has state UNSPECIFIED. A cancel that comes
+//! first leaves a CANCELLED entry, so a late open fails instead of pinning
+//! blocks nobody will fill. Terminal tickets are kept for a while (so late
+//! callers get the real outcome), then forgotten.
+//!
+//! The table is a plain struct behind one mutex held for microseconds by
+//! each call; waiting happens on the watch channels, never under the lock.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use pdmesh_proto::kvbroker::v1::{Ticket, TicketState};
+use tokio::sync::watch;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TicketError {
+    #[error("ticket {0} is already {1:?}")]
+    WrongState(String, TicketState),
+    #[error("ticket {0} is not open")]
+    NotFound(String),
+    #[error("invalid ticket request: {0}")]
+    Invalid(String),
+}
+
+struct Entry {
+    tx: watch::Sender<Ticket>,
+    /// When the entry appeared (ms since the epoch): an expected ticket
+    /// nobody opens within the retention is expired, not kept forever.
+    created_ms: u64,
+    /// When a terminal ticket may be forgotten (ms since the epoch).
+    forget_at_ms: Option<u64>,
+}
+
+pub struct Tickets {
+    map: HashMap<String, Entry>,
+    /// How long terminal tickets are remembered.
+    retention: Duration,
+}
+
+pub fn is_terminal(s: TicketState) -> bool {
+    matches!(s, TicketState::Done | TicketState::Failed | TicketState::Cancelled | TicketState::Expired)
+}
+
+fn state(t: &Ticket) -> TicketState {
+    TicketState::try_from(t.state).unwrap_or(TicketState::Unspecified)
+}
+
+impl Tickets {
+    pub fn new(retention: Duration) -> Tickets {
+        Tickets { map: HashMap::new(), retention }
+    }
+
+    fn entry(&mut self, id: &str, now_ms: u64) -> &mut Entry {
+        self.map.entry(id.to_string()).or_insert_with(|| {
+            let t = Ticket { request_id: id.to_string(), ..Default::default() };
+            Entry { tx: watch::channel(t).0, created_ms: now_ms, forget_at_ms: None }
+        })
+    }
+
+    /// Change a ticket and tell its watchers.
+    fn update(&mut self, id: &str, now_ms: u64, f: impl FnOnce(&mut Ticket)) -> Ticket {
+        let retention = self.retention.as_millis() as u64;
+        let e = self.entry(id, now_ms);
+        e.tx.send_modify(f);
+        let t = e.tx.borrow().clone();
+        if is_terminal(state(&t)) && e.forget_at_ms.is_none() {
+            e.forget_at_ms = Some(now_ms + retention);
+        }
+        t
+    }
+
+    /// The current ticket (an expected, UNSPECIFIED one if nobody opened it yet)
+    /// and a receiver of its future changes.
+    pub fn subscribe(&mut self, id: &str, now_ms: u64) -> watch::Receiver<Ticket> {
+        self.entry(id, now_ms).tx.subscribe()
+    }
+
+    pub fn get(&self, id: &str) -> Option<Ticket> {
+        self.map.get(id).map(|e| e.tx.borrow().clone())
+    }
+
+    /// Decode: its blocks are reserved; the prefill may write.
+    pub fn open(&mut self, id: &str, dest_worker: &str, dest_blocks: Vec<u32>, n_tokens: u32, lease_ms: u32, now_ms: u64) -> Result<Ticket, TicketError> {
+        if id.is_empty() || dest_worker.is_empty() || dest_blocks.is_empty() || lease_ms == 0 {
+            return Err(TicketError::Invalid("request_id, dest_worker, dest_blocks and lease_ms are required".into()));
+        }
+        let cur = state(&self.entry(id, now_ms).tx.borrow());
+        if cur != TicketState::Unspecified {
+            return Err(TicketError::WrongState(id.into(), cur));
+        }
+        Ok(self.update(id, now_ms, |t| {
+            t.state = TicketState::Open as i32;
+            t.dest_worker = dest_worker.into();
+            t.dest_blocks = dest_blocks;
+            t.n_tokens = n_tokens;
+            t.lease_deadline_unix_ms = now_ms + lease_ms as u64;
+        }))
+    }
+
+    /// Prefill: take an OPEN ticket (callers wait for OPEN on the watch first).
+    pub fn claim(&mut self, id: &str, source_worker: &str, now_ms: u64) -> Result<Ticket, TicketError> {
+        let cur = self.get(id).map(|t| state(&t)).ok_or_else(|| TicketError::NotFound(id.into()))?;
+        if cur != TicketState::Open {
+            return Err(TicketError::WrongState(id.into(), cur));
+        }
+        Ok(self.update(id, now_ms, |t| {
+            t.state = TicketState::Claimed as i32;
+            t.source_worker = source_worker.into();
+        }))
+    }
+
+    /// Prefill: the KV is written (`Ok(first_token)`) or could not be (`Err(why)`).
+    pub fn complete(&mut self, id: &str, outcome: Result<u32, String>, bytes: u64, now_ms: u64) -> Result<Ticket, TicketError> {
+        let cur = self.get(id).map(|t| state(&t)).ok_or_else(|| TicketError::NotFound(id.into()))?;
+        if !matches!(cur, TicketState::Claimed | TicketState::Writing) {
+            return Err(TicketError::WrongState(id.into(), cur));
+        }
+        Ok(self.update(id, now_ms, |t| {
+            t.bytes = bytes;
+            match outcome {
+                Ok(first) => {
+                    t.state = TicketState::Done as i32;
+                    t.first_token = Some(first);
+                }
+                Err(why) => {
+                    t.state = TicketState::Failed as i32;
+                    t.reason = why;
+                }
+            }
+        }))
+    }
+
+    /// Anyone: end a ticket that is not over yet (also one not opened yet).
+    /// Ending an already-ended ticket returns it unchanged.
+    pub fn cancel(&mut self, id: &str, reason: &str, now_ms: u64) -> Ticket {
+        let cur = state(&self.entry(id, now_ms).tx.borrow());
+        if is_terminal(cur) {
+            return self.get(id).expect("entry exists");
+        }
+        self.update(id, now_ms, |t| {
+            t.state = TicketState::Cancelled as i32;
+            t.reason = reason.into();
+        })
+    }
+
+    pub fn renew(&mut self, id: &str, lease_ms: u32, now_ms: u64) -> Result<Ticket, TicketError> {
+        let cur = self.get(id).map(|t| state(&t)).ok_or_else(|| TicketError::NotFound(id.into()))?;
+        if !matches!(cur, TicketState::Open | TicketState::Claimed | TicketState::Writing) {
+            return Err(TicketError::WrongState(id.into(), cur));
+        }
+        Ok(self.update(id, now_ms, |t| t.lease_deadline_unix_ms = now_ms + lease_ms as u64))
+    }
+
+    /// Expire leased tickets past their deadline (and expected ones never
+    /// opened within the retention), forget old terminal ones. Returns the
+    /// tickets that expired now.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<Ticket> {
+        let retention = self.retention.as_millis() as u64;
+        let due: Vec<(String, &'static str)> = self
+            .map
+            .iter()
+            .filter_map(|(k, e)| {
+                let t = e.tx.borrow();
+                match state(&t) {
+                    TicketState::Open | TicketState::Claimed | TicketState::Writing if t.lease_deadline_unix_ms <= now_ms => {
+                        Some((k.clone(), "lease expired"))
+                    }
+                    TicketState::Unspecified if e.created_ms + retention <= now_ms => Some((k.clone(), "never opened")),
+                    _ => None,
+                }
+            })
+            .collect();
+        let expired = due
+            .iter()
+            .map(|(id, why)| {
+                self.update(id, now_ms, |t| {
+                    t.state = TicketState::Expired as i32;
+                    t.reason = (*why).into();
+                })
+            })
+            .collect();
+        self.map.retain(|_, e| e.forget_at_ms.is_none_or(|at| at > now_ms));
+        expired
+    }
+
+    /// Live tickets by state, for metrics.
+    pub fn count_by_state(&self) -> HashMap<TicketState, usize> {
+        let mut m = HashMap::new();
+        for e in self.map.values() {
+            *m.entry(state(&e.tx.borrow())).or_insert(0) += 1;
+        }
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> Tickets {
+        Tickets::new(Duration::from_secs(60))
+    }
+
+    #[test]
+    fn happy_path_open_claim_done() {
+        let mut t = table();
+        let mut rx = t.subscribe("r1", 0);
+        t.open("r1", "d0", vec![3, 4], 20, 1000, 0).unwrap();
+        assert_eq!(state(&rx.borrow_and_update()), TicketState::Open);
+        t.claim("r1", "p0", 1).unwrap();
+        let done = t.complete("r1", Ok(42), 1234, 2).unwrap();
+        assert_eq!((state(&done), done.first_token, done.bytes), (TicketState::Done, Some(42), 1234));
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(state(&rx.borrow()), TicketState::Done);
+    }
+
+    #[test]
+    fn wrong_order_is_refused() {
+        let mut t = table();
+        assert_eq!(t.claim("x", "p0", 0), Err(TicketError::NotFound("x".into())));
+        t.open("x", "d0", vec![1], 5, 1000, 0).unwrap();
+        assert!(matches!(t.open("x", "d0", vec![1], 5, 1000, 0), Err(TicketError::WrongState(_, TicketState::Open))));
+        assert!(matches!(t.complete("x", Ok(1), 0, 0), Err(TicketError::WrongState(_, TicketState::Open))));
+        assert!(t.open("y", "", vec![1], 5, 1000, 0).is_err());
+    }
+
+    #[test]
+    fn cancel_before_open_makes_the_late_open_fail() {
+        let mut t = table();
+        let c = t.cancel("r", "client gone", 0);
+        assert_eq!(state(&c), TicketState::Cancelled);
+        assert!(matches!(t.open("r", "d0", vec![1], 5, 1000, 1), Err(TicketError::WrongState(_, TicketState::Cancelled))));
+        // Cancelling an ended ticket changes nothing.
+        t.open("s", "d0", vec![1], 5, 1000, 0).unwrap();
+        t.claim("s", "p0", 0).unwrap();
+        t.complete("s", Ok(7), 0, 0).unwrap();
+        assert_eq!(state(&t.cancel("s", "late", 1)), TicketState::Done);
+    }
+
+    #[test]
+    fn leases_expire_unless_renewed_and_old_tickets_are_forgotten() {
+        let mut t = Tickets::new(Duration::from_millis(500));
+        t.open("a", "d0", vec![1], 5, 100, 0).unwrap();
+        t.open("b", "d0", vec![2], 5, 100, 0).unwrap();
+        t.renew("b", 1000, 50).unwrap();
+        let expired = t.tick(150);
+        assert_eq!(expired.iter().map(|x| x.request_id.as_str()).collect::<Vec<_>>(), ["a"]);
+        assert_eq!(state(&t.get("a").unwrap()), TicketState::Expired);
+        assert_eq!(state(&t.get("b").unwrap()), TicketState::Open);
+        t.tick(700);
+        assert!(t.get("a").is_none(), "terminal tickets are forgotten after the retention");
+        assert!(t.get("b").is_some());
+        // Asked about but never opened: expired after the retention, then forgotten.
+        let _rx = t.subscribe("ghost", 700);
+        t.tick(1300);
+        assert_eq!(t.get("ghost").map(|x| x.reason), Some("never opened".to_string()));
+    }
+}
