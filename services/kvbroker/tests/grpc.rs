@@ -115,3 +115,61 @@ async fn lease_expiry_and_cancel_end_tickets_for_everyone() {
     assert_eq!(c.open_ticket(open("too-long", 3_600_000)).await.unwrap_err().code(), Code::InvalidArgument);
     let _ = stop.send(());
 }
+
+/// A plain HTTP/1.1 GET, as Prometheus or curl would do it.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    resp
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_tickets_by_state_and_lease_expiries() {
+    use pdmesh_core::discovery::{Discovery, FileRegistry};
+    let dir = std::env::temp_dir().join(format!("pdmesh-broker-registry-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let cfg = pdmesh_kvbroker::config::Config {
+        listen: listener.local_addr().unwrap(),
+        tick_ms: 10,
+        retention_s: 60,
+        max_lease_ms: 10_000,
+        common: pdmesh_core::args::CommonArgs {
+            http_listen: Some("127.0.0.1:0".parse().unwrap()),
+            registry_dir: Some(dir.clone()),
+            registry_ttl_s: 10,
+            instance_id: Some("broker-0".into()),
+        },
+    };
+    let server = tokio::spawn(pdmesh_kvbroker::serve(cfg, listener, async {
+        let _ = rx.await;
+    }));
+    let reg = FileRegistry::new(&dir, Duration::from_secs(10));
+    let end = tokio::time::Instant::now() + Duration::from_secs(10);
+    let http = loop {
+        if let Some(i) = reg.healthy("kvbroker").await.unwrap().pop() {
+            break i.http_addr.unwrap();
+        }
+        assert!(tokio::time::Instant::now() < end, "broker never registered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let mut c = KvBrokerClient::connect(addr).await.unwrap();
+    c.open_ticket(open("live", 10_000)).await.unwrap();
+    c.open_ticket(open("stall", 50)).await.unwrap();
+    let mut w = c.watch_ticket(pb::WatchTicketRequest { request_id: "stall".into() }).await.unwrap().into_inner();
+    while w.message().await.unwrap().is_some() {}
+    let h = http.clone();
+    let body = tokio::task::spawn_blocking(move || http_get(&h, "/metrics")).await.unwrap();
+    assert!(body.contains("pdmesh_kvbroker_tickets{state=\"open\"} 1"), "{body}");
+    assert!(body.contains("pdmesh_kvbroker_tickets{state=\"expired\"} 1"), "{body}");
+    assert!(body.contains("pdmesh_kvbroker_lease_expiries_total 1"), "{body}");
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+    assert!(reg.healthy("kvbroker").await.unwrap().is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
