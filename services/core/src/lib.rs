@@ -7,4 +7,5 @@
 pub mod admin;
 pub mod args;
 pub mod discovery;
+pub mod serve;
 pub mod signal;

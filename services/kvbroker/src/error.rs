@@ -12,10 +12,8 @@ pub enum Error {
     Invalid(String),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen { addr: std::net::SocketAddr, source: std::io::Error },
-    #[error("discovery: {0}")]
-    Discovery(#[from] pdmesh_core::discovery::DiscoveryError),
+    #[error(transparent)]
+    Serve(#[from] pdmesh_core::serve::ServeError),
     #[error("reflection: {0}")]
     Reflection(String),
 }
@@ -27,7 +25,7 @@ impl From<Error> for tonic::Status {
             Error::Ticket(TicketError::NotFound(_)) | Error::UnknownAgent(_) => tonic::Status::not_found(msg),
             Error::Ticket(TicketError::WrongState(..)) => tonic::Status::failed_precondition(msg),
             Error::Ticket(TicketError::Invalid(_)) | Error::Invalid(_) => tonic::Status::invalid_argument(msg),
-            Error::Transport(_) | Error::Listen { .. } | Error::Discovery(_) | Error::Reflection(_) => tonic::Status::internal(msg),
+            Error::Transport(_) | Error::Serve(_) | Error::Reflection(_) => tonic::Status::internal(msg),
         }
     }
 }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_core::admin::AdminState;
-use pdmesh_core::discovery::{Discovery, FileRegistry, Instance};
+use pdmesh_core::serve::{Admin, ServeError};
 use pdmesh_proto::kvbroker::v1 as pb;
 use tokio::net::TcpListener;
 
@@ -53,19 +53,8 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         serde_json::to_value(&config).unwrap_or_default(),
         Arc::new(move || render_metrics(&t2.lock().unwrap_or_else(|e| e.into_inner()), e2.load(std::sync::atomic::Ordering::Relaxed))),
     );
+    let admin = Admin::start(&config.common, admin).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http_addr = match config.common.http_listen {
-        Some(addr) => {
-            let l = TcpListener::bind(addr).await.map_err(|e| Error::Listen { addr, source: e })?;
-            let bound = l.local_addr().map_err(|e| Error::Listen { addr, source: e })?;
-            let mut rx = stop_rx.clone();
-            tokio::spawn(pdmesh_core::admin::serve_admin(l, admin.clone(), async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }));
-            Some(bound)
-        }
-        None => None,
-    };
     // Lease clock.
     let (t3, e3, mut rx) = (tickets.clone(), expired_total.clone(), stop_rx.clone());
     let tick = Duration::from_millis(config.tick_ms.max(1));
@@ -89,27 +78,15 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         .with_service_name("pdmesh.kvbroker.v1.KvBroker")
         .build_v1()
         .map_err(|e| Error::Reflection(e.to_string()))?;
-    admin.set_ready(true);
-    let grpc_addr = listener.local_addr().map_err(|e| Error::Listen { addr: config.listen, source: e })?;
-    let registration = match &config.common.registry_dir {
-        Some(dir) => {
-            let reg = FileRegistry::new(dir, Duration::from_secs(config.common.registry_ttl_s.max(1)));
-            let id = config.common.instance_id.clone().unwrap_or_else(|| format!("kvbroker-{}", std::process::id()));
-            let inst = Instance { service: "kvbroker".into(), id, grpc_addr: grpc_addr.to_string(), http_addr: http_addr.map(|a| a.to_string()), meta: Default::default() };
-            Some(reg.register(inst).await?)
-        }
-        None => None,
-    };
+    let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
+    let announced = admin.announce("kvbroker", &config.common, grpc_addr).await?;
     let result = tonic::transport::Server::builder()
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(pb::kv_broker_server::KvBrokerServer::new(broker))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
         .await;
-    admin.set_ready(false);
-    if let Some(r) = registration {
-        r.deregister()?;
-    }
+    admin.shut_down(announced)?;
     let _ = stop_tx.send(true);
     result?;
     Ok(())

@@ -14,10 +14,8 @@ pub enum Error {
     BadToken(u32),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen { addr: std::net::SocketAddr, source: std::io::Error },
-    #[error("discovery: {0}")]
-    Discovery(#[from] pdmesh_core::discovery::DiscoveryError),
+    #[error(transparent)]
+    Serve(#[from] pdmesh_core::serve::ServeError),
     #[error("reflection: {0}")]
     Reflection(String),
 }
@@ -31,8 +29,7 @@ impl Error {
             Error::NoInput => "no_input",
             Error::BadToken(_) => "bad_token",
             Error::Transport(_) => "transport",
-            Error::Listen { .. } => "listen",
-            Error::Discovery(_) => "discovery",
+            Error::Serve(_) => "serve",
             Error::Reflection(_) => "reflection",
         }
     }
@@ -44,7 +41,7 @@ impl From<Error> for tonic::Status {
         match &e {
             Error::Engine(inner) if inner.is_bad_input() => tonic::Status::invalid_argument(msg),
             Error::TooLarge { .. } | Error::NoInput | Error::BadToken(_) => tonic::Status::invalid_argument(msg),
-            Error::Engine(_) | Error::Transport(_) | Error::Listen { .. } | Error::Discovery(_) | Error::Reflection(_) => {
+            Error::Engine(_) | Error::Transport(_) | Error::Serve(_) | Error::Reflection(_) => {
                 tonic::Status::internal(msg)
             }
         }

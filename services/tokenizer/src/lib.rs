@@ -19,7 +19,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use pdmesh_core::admin::AdminState;
-use pdmesh_core::discovery::{Discovery, FileRegistry, Instance};
+use pdmesh_core::serve::{Admin, ServeError};
 use pdmesh_engine::gguf::Gguf;
 use pdmesh_engine::{ModelConfig, Tokenizer};
 use pdmesh_proto::tokenizer::v1 as pb;
@@ -38,18 +38,7 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     let metrics = Arc::new(metrics::Metrics::default());
     let m2 = metrics.clone();
     let admin = AdminState::new("tokenizer", serde_json::to_value(&config).unwrap_or_default(), Arc::new(move || m2.render()));
-    let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();
-    let http_addr = match config.common.http_listen {
-        Some(addr) => {
-            let l = TcpListener::bind(addr).await.map_err(|e| Error::Listen { addr, source: e })?;
-            let bound = l.local_addr().map_err(|e| Error::Listen { addr, source: e })?;
-            tokio::spawn(pdmesh_core::admin::serve_admin(l, admin.clone(), async {
-                let _ = admin_stopped.await;
-            }));
-            Some(bound)
-        }
-        None => None,
-    };
+    let admin = Admin::start(&config.common, admin).await?;
     let path = match &config.model {
         Some(p) => p.clone(),
         None => tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model).await.expect("fetch task")?,
@@ -76,34 +65,15 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         .build_v1()
         .map_err(|e| Error::Reflection(e.to_string()))?;
     health.set_serving::<pb::tokenizer_server::TokenizerServer<server::Service>>().await;
-    admin.set_ready(true);
-    let grpc_addr = listener.local_addr().map_err(|e| Error::Listen { addr: config.listen, source: e })?;
-    let registration = match &config.common.registry_dir {
-        Some(dir) => {
-            let reg = FileRegistry::new(dir, std::time::Duration::from_secs(config.common.registry_ttl_s.max(1)));
-            let id = config.common.instance_id.clone().unwrap_or_else(|| format!("tokenizer-{}", std::process::id()));
-            let inst = Instance {
-                service: "tokenizer".into(),
-                id,
-                grpc_addr: grpc_addr.to_string(),
-                http_addr: http_addr.map(|a| a.to_string()),
-                meta: Default::default(),
-            };
-            Some(reg.register(inst).await?)
-        }
-        None => None,
-    };
+    let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
+    let announced = admin.announce("tokenizer", &config.common, grpc_addr).await?;
     let result = tonic::transport::Server::builder()
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(pb::tokenizer_server::TokenizerServer::new(svc))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
         .await;
-    admin.set_ready(false);
-    if let Some(r) = registration {
-        r.deregister()?;
-    }
-    let _ = admin_stop.send(());
+    admin.shut_down(announced)?;
     result?;
     Ok(())
 }

@@ -1,0 +1,116 @@
+//! What every service does around its gRPC server: start the HTTP admin
+//! endpoints, announce itself in the registry once ready, withdraw on
+//! shutdown, and the `main` wrapper (bind, serve until a signal, exit code).
+
+use std::fmt::Display;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::admin::{serve_admin, AdminState};
+use crate::args::CommonArgs;
+use crate::discovery::{Discovery, DiscoveryError, FileRegistry, Instance, Registration};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("discovery: {0}")]
+    Discovery(#[from] DiscoveryError),
+}
+
+/// The running admin server (if `--http-listen` was given).
+pub struct Admin {
+    pub state: AdminState,
+    http_addr: Option<SocketAddr>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Admin {
+    /// Start /health, /metrics and /statusz on `--http-listen`, if set.
+    pub async fn start(common: &CommonArgs, state: AdminState) -> Result<Admin, ServeError> {
+        let Some(addr) = common.http_listen else {
+            return Ok(Admin { state, http_addr: None, stop: None });
+        };
+        let l = TcpListener::bind(addr).await.map_err(|e| ServeError::Listen { addr, source: e })?;
+        let bound = l.local_addr().map_err(|e| ServeError::Listen { addr, source: e })?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve_admin(l, state.clone(), async {
+            let _ = stopped.await;
+        }));
+        Ok(Admin { state, http_addr: Some(bound), stop: Some(stop) })
+    }
+
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// Mark ready and announce `service` at `grpc_addr` in the registry (if
+    /// `--registry-dir` was given). The returned guard withdraws it.
+    pub async fn announce(&self, service: &str, common: &CommonArgs, grpc_addr: SocketAddr) -> Result<Announced, ServeError> {
+        self.state.set_ready(true);
+        let registration = match &common.registry_dir {
+            Some(dir) => {
+                let reg = FileRegistry::new(dir, Duration::from_secs(common.registry_ttl_s.max(1)));
+                let id = common.instance_id.clone().unwrap_or_else(|| format!("{service}-{}", std::process::id()));
+                let inst = Instance {
+                    service: service.into(),
+                    id,
+                    grpc_addr: grpc_addr.to_string(),
+                    http_addr: self.http_addr.map(|a| a.to_string()),
+                    meta: Default::default(),
+                };
+                Some(reg.register(inst).await?)
+            }
+            None => None,
+        };
+        Ok(Announced { registration })
+    }
+
+    /// Not ready any more; withdraw from the registry and stop the admin server.
+    pub fn shut_down(mut self, announced: Announced) -> Result<(), ServeError> {
+        self.state.set_ready(false);
+        let r = announced.registration.map(Registration::deregister).transpose();
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        r?;
+        Ok(())
+    }
+}
+
+/// Proof of announcement; hand it back to [`Admin::shut_down`].
+pub struct Announced {
+    registration: Option<Registration>,
+}
+
+pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A service binary's `main`: bind `listen`, run `serve` until Ctrl-C or
+/// SIGTERM, print errors as one line, return the exit code.
+pub async fn run_main<F, Fut, E>(name: &str, listen: SocketAddr, serve: F) -> ExitCode
+where
+    F: FnOnce(TcpListener, Shutdown) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: Display,
+{
+    let listener = match TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot listen on {listen}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    eprintln!("{name}: listening on {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
+    match serve(listener, Box::pin(crate::signal::shutdown_signal())).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
