@@ -82,8 +82,11 @@ async fn dual_dispatch_flow_and_watchers_see_every_state() {
 async fn lease_expiry_and_cancel_end_tickets_for_everyone() {
     let (mut c, stop) = boot().await;
     // A transfer stalled past its lease: the watcher (the decode) learns promptly.
-    c.open_ticket(open("slow", 100)).await.unwrap();
+    // A generous lease for the claim (a loaded CI machine may be slow), then
+    // a short one the stalled writer fails to renew.
+    c.open_ticket(open("slow", 5000)).await.unwrap();
     c.claim_ticket(pb::ClaimTicketRequest { request_id: "slow".into(), source_worker: "p".into() }).await.unwrap();
+    c.renew_lease(pb::RenewLeaseRequest { request_id: "slow".into(), lease_ms: 100 }).await.unwrap();
     let mut w = c.watch_ticket(pb::WatchTicketRequest { request_id: "slow".into() }).await.unwrap().into_inner();
     let last = tokio::time::timeout(Duration::from_secs(5), async {
         let mut last = None;
