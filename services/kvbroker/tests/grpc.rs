@@ -8,33 +8,18 @@ use pb::TicketState;
 use tonic::transport::Channel;
 use tonic::Code;
 
-async fn boot() -> (KvBrokerClient<Channel>, tokio::sync::oneshot::Sender<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let cfg = pdmesh_kvbroker::config::Config {
-        listen: listener.local_addr().unwrap(),
-        tick_ms: 10,
-        retention_s: 60,
-        max_lease_ms: 10_000,
-        common: Default::default(),
-    };
-    tokio::spawn(async move {
-        pdmesh_kvbroker::serve(cfg, listener, async {
-            let _ = rx.await;
-        })
-        .await
-        .expect("serve");
-    });
-    // The listener is bound already, so connecting succeeds once tonic accepts.
-    let end = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Ok(c) = KvBrokerClient::connect(addr.clone()).await {
-            return (c, tx);
-        }
-        assert!(tokio::time::Instant::now() < end, "broker never answered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+fn config(listener: &tokio::net::TcpListener, common: pdmesh_core::args::CommonArgs) -> pdmesh_kvbroker::config::Config {
+    pdmesh_kvbroker::config::Config { listen: listener.local_addr().unwrap(), tick_ms: 10, retention_s: 60, max_lease_ms: 10_000, common }
+}
+
+async fn boot_with(common: pdmesh_core::args::CommonArgs) -> (KvBrokerClient<Channel>, pdmesh_testkit::Running) {
+    let svc = pdmesh_testkit::spawn(move |l, stop| pdmesh_kvbroker::serve(config(&l, common), l, stop)).await;
+    pdmesh_testkit::wait_healthy(&svc.url, "pdmesh.kvbroker.v1.KvBroker").await;
+    (KvBrokerClient::connect(svc.url.clone()).await.unwrap(), svc)
+}
+
+async fn boot() -> (KvBrokerClient<Channel>, pdmesh_testkit::Running) {
+    boot_with(Default::default()).await
 }
 
 fn open(id: &str, lease_ms: u32) -> pb::OpenTicketRequest {
@@ -47,7 +32,7 @@ fn st(t: &pb::Ticket) -> TicketState {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dual_dispatch_flow_and_watchers_see_every_state() {
-    let (mut c, stop) = boot().await;
+    let (mut c, svc) = boot().await;
     c.register_agent(pb::RegisterAgentRequest {
         agent: Some(pb::Agent { worker_id: "decode-0".into(), transport: pb::Transport::Tcp as i32, address: "127.0.0.1:1".into(), ..Default::default() }),
     })
@@ -75,12 +60,12 @@ async fn dual_dispatch_flow_and_watchers_see_every_state() {
     }
     // Watch coalesces fast changes, but always starts with the current state and ends terminal.
     assert_eq!(*seen.last().unwrap(), TicketState::Done, "{seen:?}");
-    let _ = stop.send(());
+    svc.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_expiry_and_cancel_end_tickets_for_everyone() {
-    let (mut c, stop) = boot().await;
+    let (mut c, svc) = boot().await;
     // A transfer stalled past its lease: the watcher (the decode) learns promptly.
     // A generous lease for the claim (a loaded CI machine may be slow), then
     // a short one the stalled writer fails to renew.
@@ -116,17 +101,7 @@ async fn lease_expiry_and_cancel_end_tickets_for_everyone() {
 
     assert_eq!(c.open_ticket(open("bad-lease", 0)).await.unwrap_err().code(), Code::InvalidArgument);
     assert_eq!(c.open_ticket(open("too-long", 3_600_000)).await.unwrap_err().code(), Code::InvalidArgument);
-    let _ = stop.send(());
-}
-
-/// A plain HTTP/1.1 GET, as Prometheus or curl would do it.
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    resp
+    svc.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,24 +109,13 @@ async fn metrics_count_tickets_by_state_and_lease_expiries() {
     use pdmesh_core::discovery::{Discovery, FileRegistry};
     let dir = std::env::temp_dir().join(format!("pdmesh-broker-registry-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let cfg = pdmesh_kvbroker::config::Config {
-        listen: listener.local_addr().unwrap(),
-        tick_ms: 10,
-        retention_s: 60,
-        max_lease_ms: 10_000,
-        common: pdmesh_core::args::CommonArgs {
-            http_listen: Some("127.0.0.1:0".parse().unwrap()),
-            registry_dir: Some(dir.clone()),
-            registry_ttl_s: 10,
-            instance_id: Some("broker-0".into()),
-        },
-    };
-    let server = tokio::spawn(pdmesh_kvbroker::serve(cfg, listener, async {
-        let _ = rx.await;
-    }));
+    let (mut c, svc) = boot_with(pdmesh_core::args::CommonArgs {
+        http_listen: Some("127.0.0.1:0".parse().unwrap()),
+        registry_dir: Some(dir.clone()),
+        registry_ttl_s: 10,
+        instance_id: Some("broker-0".into()),
+    })
+    .await;
     let reg = FileRegistry::new(&dir, Duration::from_secs(10));
     let end = tokio::time::Instant::now() + Duration::from_secs(10);
     let http = loop {
@@ -161,18 +125,16 @@ async fn metrics_count_tickets_by_state_and_lease_expiries() {
         assert!(tokio::time::Instant::now() < end, "broker never registered");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    let mut c = KvBrokerClient::connect(addr).await.unwrap();
     c.open_ticket(open("live", 10_000)).await.unwrap();
     c.open_ticket(open("stall", 50)).await.unwrap();
     let mut w = c.watch_ticket(pb::WatchTicketRequest { request_id: "stall".into() }).await.unwrap().into_inner();
     while w.message().await.unwrap().is_some() {}
     let h = http.clone();
-    let body = tokio::task::spawn_blocking(move || http_get(&h, "/metrics")).await.unwrap();
+    let (_, body) = tokio::task::spawn_blocking(move || pdmesh_testkit::http_get(&h, "/metrics")).await.unwrap();
     assert!(body.contains("pdmesh_kvbroker_tickets{state=\"open\"} 1"), "{body}");
     assert!(body.contains("pdmesh_kvbroker_tickets{state=\"expired\"} 1"), "{body}");
     assert!(body.contains("pdmesh_kvbroker_lease_expiries_total 1"), "{body}");
-    tx.send(()).unwrap();
-    server.await.unwrap().unwrap();
+    svc.stop().await;
     assert!(reg.healthy("kvbroker").await.unwrap().is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
 }

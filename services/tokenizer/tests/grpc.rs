@@ -5,40 +5,19 @@ use pb::tokenizer_client::TokenizerClient;
 use serde_json::Value;
 use tonic::Code;
 
-async fn boot() -> (String, tokio::sync::oneshot::Sender<()>) {
-    let (addr, stop, _task) = boot_with(Default::default()).await;
-    (addr, stop)
+async fn boot_with(common: pdmesh_core::args::CommonArgs) -> pdmesh_testkit::Running {
+    let model = pdmesh_engine::fetch::ensure_model().expect("model");
+    let svc = pdmesh_testkit::spawn(move |listener, stop| {
+        let cfg = pdmesh_tokenizer::config::Config { listen: listener.local_addr().unwrap(), model: Some(model), max_input_bytes: 4096, common };
+        pdmesh_tokenizer::serve(cfg, listener, stop)
+    })
+    .await;
+    pdmesh_testkit::wait_healthy(&svc.url, "pdmesh.tokenizer.v1.Tokenizer").await;
+    svc
 }
 
-async fn boot_with(common: pdmesh_core::args::CommonArgs) -> (String, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
-    let model = pdmesh_engine::fetch::ensure_model().expect("model");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let cfg = pdmesh_tokenizer::config::Config { listen: listener.local_addr().unwrap(), model: Some(model), max_input_bytes: 4096, common };
-    let task = tokio::spawn(async move {
-        pdmesh_tokenizer::serve(cfg, listener, async {
-            let _ = rx.await;
-        })
-        .await
-        .expect("serve");
-    });
-    // Wait on health, with a deadline (no sleeps).
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        if let Ok(ch) = tonic::transport::Channel::from_shared(addr.clone()).unwrap().connect().await {
-            let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
-            let req = tonic_health::pb::HealthCheckRequest { service: "pdmesh.tokenizer.v1.Tokenizer".into() };
-            if let Ok(r) = h.check(req).await {
-                if r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32 {
-                    return (addr, tx, task);
-                }
-            }
-        }
-        assert!(tokio::time::Instant::now() < deadline, "tokenizer never became healthy");
-        tokio::task::yield_now().await;
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+async fn boot() -> pdmesh_testkit::Running {
+    boot_with(Default::default()).await
 }
 
 fn golden() -> Vec<Value> {
@@ -61,8 +40,8 @@ fn chat(role: &str, content: &str) -> pb::EncodeRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn encodes_like_llama_cpp_and_detokenizes_incrementally() {
-    let (addr, stop) = boot().await;
-    let mut c = TokenizerClient::connect(addr).await.unwrap();
+    let svc = boot().await;
+    let mut c = TokenizerClient::connect(svc.url.clone()).await.unwrap();
     for g in golden() {
         let prompt = g["prompt"].as_str().unwrap();
         let raw = pb::EncodeRequest { input: Some(pb::encode_request::Input::Prompt(prompt.into())), parse_special: false };
@@ -87,13 +66,13 @@ async fn encodes_like_llama_cpp_and_detokenizes_incrementally() {
     }
     assert_eq!(got, text);
     assert_eq!(pieces, id_list.len(), "one response per request");
-    let _ = stop.send(());
+    svc.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_invalid_argument() {
-    let (addr, stop) = boot().await;
-    let mut c = TokenizerClient::connect(addr).await.unwrap();
+    let svc = boot().await;
+    let mut c = TokenizerClient::connect(svc.url.clone()).await.unwrap();
     let e = c.encode(chat("wizard", "hi")).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("unknown role"), "{}", e.message());
@@ -110,18 +89,7 @@ async fn bad_input_is_invalid_argument() {
     assert_eq!(s.message().await.unwrap_err().code(), Code::InvalidArgument);
     // Still serving afterwards.
     assert!(c.info(pb::InfoRequest {}).await.is_ok());
-    let _ = stop.send(());
-}
-
-/// A plain HTTP/1.1 GET, as a Consul check or curl would do it.
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let code = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (code, resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    svc.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -135,7 +103,8 @@ async fn announces_itself_serves_admin_endpoints_and_withdraws_on_shutdown() {
         registry_ttl_s: 10,
         instance_id: Some("tok-test".into()),
     };
-    let (addr, stop, task) = boot_with(common).await;
+    let svc = boot_with(common).await;
+    let addr = svc.url.clone();
     let reg = FileRegistry::new(&dir, std::time::Duration::from_secs(10));
     let live = reg.healthy("tokenizer").await.unwrap();
     assert_eq!(live.len(), 1);
@@ -146,7 +115,8 @@ async fn announces_itself_serves_admin_endpoints_and_withdraws_on_shutdown() {
     c.encode(chat("user", "hello")).await.unwrap();
     let _ = c.encode(chat("wizard", "hello")).await.unwrap_err();
     let h = http.clone();
-    let (health, metrics, statusz) = tokio::task::spawn_blocking(move || (http_get(&h, "/health"), http_get(&h, "/metrics"), http_get(&h, "/statusz"))).await.unwrap();
+    let get = pdmesh_testkit::http_get;
+    let (health, metrics, statusz) = tokio::task::spawn_blocking(move || (get(&h, "/health"), get(&h, "/metrics"), get(&h, "/statusz"))).await.unwrap();
     assert_eq!(health, (200, "ok\n".to_string()));
     assert!(metrics.1.contains("pdmesh_tokenizer_requests_total{rpc=\"encode\",outcome=\"ok\"} 1"), "{}", metrics.1);
     assert!(metrics.1.contains("pdmesh_tokenizer_requests_total{rpc=\"encode\",outcome=\"invalid_argument\"} 1"), "{}", metrics.1);
@@ -154,8 +124,7 @@ async fn announces_itself_serves_admin_endpoints_and_withdraws_on_shutdown() {
     assert_eq!(v["service"], "pdmesh-tokenizer");
     assert_eq!(v["config"]["max_input_bytes"], 4096);
 
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    svc.stop().await;
     assert!(reg.healthy("tokenizer").await.unwrap().is_empty(), "a stopped tokenizer must leave the registry");
     std::fs::remove_dir_all(&dir).unwrap();
 }
