@@ -7,5 +7,8 @@
 pub mod admin;
 pub mod args;
 pub mod discovery;
+pub mod grpc;
+pub mod metrics;
+pub mod peers;
 pub mod serve;
 pub mod signal;

@@ -88,6 +88,13 @@ pub struct Announced {
     registration: Option<Registration>,
 }
 
+impl Announced {
+    /// Nothing was announced (the service stopped before it was ready).
+    pub fn none() -> Announced {
+        Announced { registration: None }
+    }
+}
+
 pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// A service binary's `main`: bind `listen`, run `serve` until Ctrl-C or

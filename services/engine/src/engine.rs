@@ -141,6 +141,15 @@ impl Engine {
         Ok(&s.tokens[s.n_prompt..])
     }
 
+    /// The KV blocks reserved for a sequence, in position order.
+    pub fn blocks(&self, id: SeqId) -> Result<&[u32]> {
+        Ok(&self.seq(id)?.blocks)
+    }
+
+    pub fn prompt_len(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.n_prompt)
+    }
+
     pub fn finish_reason(&self, id: SeqId) -> Result<Option<FinishReason>> {
         Ok(self.seq(id)?.finish)
     }
@@ -194,10 +203,44 @@ impl Engine {
 
     /// Append a token chosen from `logits` and decide whether the sequence ends.
     pub fn accept(&mut self, id: SeqId, logits: &[f32]) -> Result<TokenEvent> {
+        let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
+        let token = sample(&s.params, logits, s.generated());
+        self.push_token(id, token)
+    }
+
+    /// Write the KV of a sequence's whole prompt, computed elsewhere, into
+    /// its reserved blocks (the decode side of a prefill/decode split).
+    pub fn import_prompt_kv(&mut self, id: SeqId, blob: &KvBlob) -> Result<()> {
+        let s = self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))?;
+        if s.n_cached != 0 || s.tokens.len() != s.n_prompt {
+            return Err(EngineError::InvalidArgument(format!("sequence {id} already has KV")));
+        }
+        if blob.n_tokens != s.n_prompt {
+            return Err(EngineError::KvMismatch(format!("blob holds {} positions, the prompt has {}", blob.n_tokens, s.n_prompt)));
+        }
+        self.kv.import(&s.blocks, blob)
+    }
+
+    /// After [`Engine::import_prompt_kv`]: mark the prompt cached and append
+    /// the first token, sampled by whoever ran the prompt. The sequence can
+    /// then join decode steps (unless the first token already ends it).
+    pub fn attach_first_token(&mut self, id: SeqId, token: u32) -> Result<TokenEvent> {
+        let vocab = self.model.config.vocab_size;
+        let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
+        if s.n_cached != 0 || s.tokens.len() != s.n_prompt {
+            return Err(EngineError::InvalidArgument(format!("sequence {id} already started")));
+        }
+        if token as usize >= vocab {
+            return Err(EngineError::BadToken(token));
+        }
+        s.n_cached = s.n_prompt;
+        self.push_token(id, token)
+    }
+
+    fn push_token(&mut self, id: SeqId, token: u32) -> Result<TokenEvent> {
         let eos = self.model.config.eos_id;
         let max_ctx = self.max_context();
         let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
-        let token = sample(&s.params, logits, s.generated());
         s.tokens.push(token);
         let stop = (!s.params.ignore_eos && token == eos) || s.params.stop_ids.contains(&token);
         s.finish = if stop {

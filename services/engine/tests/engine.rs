@@ -75,6 +75,25 @@ fn kv_export_import_into_another_engine_continues_identically() {
         }
     }
     assert_eq!(got, reference);
+
+    // The decode service's order: reserve first, then the bytes, then the
+    // first token.
+    let sid = other.engine.add_sequence(prompt.clone(), greedy(16)).unwrap();
+    let short = pdmesh_engine::KvBlob { n_tokens: prompt.len() - 1, ..blob.clone() };
+    assert!(matches!(other.engine.import_prompt_kv(sid, &short), Err(EngineError::KvMismatch(_))));
+    other.engine.import_prompt_kv(sid, &blob).unwrap();
+    let ev = other.engine.attach_first_token(sid, first.token).unwrap();
+    assert!(ev.finish.is_none());
+    assert!(other.engine.attach_first_token(sid, first.token).is_err(), "a second first token is refused");
+    let mut got = vec![first.token];
+    loop {
+        let ev = other.engine.decode(&[sid]).unwrap().remove(0);
+        got.push(ev.token);
+        if ev.finish.is_some() {
+            break;
+        }
+    }
+    assert_eq!(got, reference);
 }
 
 #[test]

@@ -1,0 +1,100 @@
+//! The gRPC plumbing every service repeats: a health reporter, reflection
+//! over all pdmesh packages, lazy channels to peers, and deadlines read
+//! from incoming requests.
+
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+
+/// Reflection for `service` (a full name such as `pdmesh.decode.v1.Decode`).
+pub fn reflection(
+    service: &'static str,
+) -> Result<tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection>, String> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
+        .with_service_name(service)
+        .build_v1()
+        .map_err(|e| format!("reflection: {e}"))
+}
+
+/// A channel to `addr` (`host:port` or a URL) that connects on first use
+/// and reconnects after failures. Connect attempts give up after 2 s so a
+/// dead peer is an error, not a hang.
+pub fn lazy_channel(addr: &str) -> Result<Channel, String> {
+    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+    let ep = Endpoint::from_shared(url.clone()).map_err(|e| format!("bad address {url}: {e}"))?;
+    Ok(ep
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true)
+        .connect_lazy())
+}
+
+/// The deadline the caller set (`grpc-timeout` header), if any.
+pub fn request_timeout<T>(req: &tonic::Request<T>) -> Option<Duration> {
+    let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_header_is_parsed() {
+        let mut r = tonic::Request::new(());
+        r.metadata_mut().insert("grpc-timeout", "1500m".parse().unwrap());
+        assert_eq!(request_timeout(&r), Some(Duration::from_millis(1500)));
+        r.metadata_mut().insert("grpc-timeout", "3S".parse().unwrap());
+        assert_eq!(request_timeout(&r), Some(Duration::from_secs(3)));
+        r.metadata_mut().insert("grpc-timeout", "x".parse().unwrap());
+        assert_eq!(request_timeout(&r), None);
+        assert_eq!(request_timeout(&tonic::Request::new(())), None);
+    }
+}
+
+/// A service's routes plus `grpc.health.v1` (reporting NOT_SERVING for
+/// `service` until told otherwise) and reflection.
+pub async fn standard_routes(routes: tonic::service::Routes, service: &'static str) -> Result<(tonic::service::Routes, Health), String> {
+    let (reporter, health_svc) = tonic_health::server::health_reporter();
+    let health = Health { reporter, service };
+    health.set(false).await;
+    Ok((routes.add_service(health_svc).add_service(reflection(service)?), health))
+}
+
+/// The gRPC health status of one service.
+#[derive(Clone)]
+pub struct Health {
+    reporter: tonic_health::server::HealthReporter,
+    service: &'static str,
+}
+
+impl Health {
+    pub async fn set(&self, serving: bool) {
+        use tonic_health::ServingStatus;
+        let s = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+        self.reporter.set_service_status(self.service, s).await;
+        // The empty name is "the server as a whole".
+        self.reporter.set_service_status("", s).await;
+    }
+}
+
+/// Serve `routes` on `listener` until `shutdown` resolves.
+pub async fn serve_routes(routes: tonic::service::Routes, listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .await
+}

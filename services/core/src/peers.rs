@@ -1,0 +1,93 @@
+//! The instances of another service this one talks to: either fixed
+//! addresses from flags, or followed through discovery (new instances are
+//! used within a poll period, dead ones dropped). Channels are cached per
+//! address and connect lazily.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tonic::transport::Channel;
+
+use crate::args::CommonArgs;
+use crate::discovery::{watch, Discovery, FileRegistry, Instance};
+
+/// How often a registry-backed peer set is re-read.
+pub const POLL: Duration = Duration::from_millis(300);
+
+#[derive(Clone)]
+pub struct Peers {
+    service: String,
+    rx: tokio::sync::watch::Receiver<Vec<Instance>>,
+    // Keeps a fixed set's sender alive.
+    _fixed: Option<Arc<tokio::sync::watch::Sender<Vec<Instance>>>>,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+impl Peers {
+    /// Instances of `service` at fixed addresses.
+    pub fn fixed(service: &str, addrs: &[String]) -> Peers {
+        let list = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| Instance { service: service.into(), id: format!("{service}-{i}"), grpc_addr: a.clone(), http_addr: None, meta: Default::default() })
+            .collect();
+        let (tx, rx) = tokio::sync::watch::channel(list);
+        Peers { service: service.into(), rx, _fixed: Some(Arc::new(tx)), channels: Default::default() }
+    }
+
+    /// Instances of `service` as discovery sees them.
+    pub fn discovered(d: Arc<dyn Discovery>, service: &str) -> Peers {
+        Peers { service: service.into(), rx: watch(d, service, POLL), _fixed: None, channels: Default::default() }
+    }
+
+    /// Fixed addresses when given, else the registry of `common`; an error
+    /// when neither is configured.
+    pub fn resolve(common: &CommonArgs, service: &str, addrs: &[String]) -> Result<Peers, String> {
+        if !addrs.is_empty() {
+            return Ok(Peers::fixed(service, addrs));
+        }
+        match &common.registry_dir {
+            Some(dir) => Ok(Peers::discovered(Arc::new(FileRegistry::new(dir, Duration::from_secs(common.registry_ttl_s.max(1)))), service)),
+            None => Err(format!("no address for the {service} service: give --{service}-addr or --registry-dir")),
+        }
+    }
+
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// The live instances now.
+    pub fn instances(&self) -> Vec<Instance> {
+        self.rx.borrow().clone()
+    }
+
+    /// Wait up to `timeout` for at least one instance.
+    pub async fn wait_any(&self, timeout: Duration) -> Option<Vec<Instance>> {
+        let mut rx = self.rx.clone();
+        let r = tokio::time::timeout(timeout, rx.wait_for(|l| !l.is_empty())).await;
+        match r {
+            Ok(Ok(l)) => Some(l.clone()),
+            _ => None,
+        }
+    }
+
+    /// A (cached, lazily connecting) channel to `inst`.
+    pub fn channel(&self, inst: &Instance) -> Result<Channel, String> {
+        let mut m = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = m.get(&inst.grpc_addr) {
+            return Ok(c.clone());
+        }
+        let c = crate::grpc::lazy_channel(&inst.grpc_addr)?;
+        m.insert(inst.grpc_addr.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// The first live instance and a channel to it, waiting up to `timeout`.
+    pub async fn first(&self, timeout: Duration) -> Result<(Instance, Channel), String> {
+        let list = self.wait_any(timeout).await.ok_or_else(|| format!("no live {} instance", self.service))?;
+        let inst = list[0].clone();
+        let ch = self.channel(&inst)?;
+        Ok((inst, ch))
+    }
+}

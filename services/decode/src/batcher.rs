@@ -1,0 +1,285 @@
+//! The decode loop: one OS thread owns the engine. Requests reserve blocks,
+//! receive their prompt's KV, then join the running batch with their first
+//! token; every iteration admits waiting sequences (up to `max_batch`), runs
+//! one decode step for all running ones, streams each its token, and
+//! releases the finished and the abandoned (their stream's receiver is gone).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
+use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
+use pdmesh_proto::common::v1 as common;
+use pdmesh_proto::decode::v1 as pb;
+use tokio::sync::oneshot;
+use tonic::Status;
+
+/// Where a sequence's events go: the gRPC response stream.
+pub type Events = tokio::sync::mpsc::UnboundedSender<Result<pb::GenerateResponse, Status>>;
+
+enum Cmd {
+    Reserve { prompt: Vec<u32>, params: SamplingParams, reply: oneshot::Sender<Result<(SeqId, Vec<u32>), EngineError>> },
+    Import { seq: SeqId, blob: KvBlob, reply: oneshot::Sender<Result<(), EngineError>> },
+    Start { seq: SeqId, first_token: u32, events: Events },
+    Release { seq: SeqId },
+}
+
+/// Live load, read by /metrics and the Load RPC.
+pub struct Stats {
+    pub running: AtomicU32,
+    pub queued: AtomicU32,
+    /// Reserved and waiting for their KV.
+    pub awaiting_kv: AtomicU32,
+    pub kv_used: AtomicU32,
+    pub kv_total: AtomicU32,
+    pub steps: AtomicU64,
+    pub tokens: AtomicU64,
+    pub step_seconds: Histogram,
+    pub outcomes: Outcomes,
+}
+
+/// Handle to the decode loop.
+#[derive(Clone)]
+pub struct Batcher {
+    tx: mpsc::Sender<Cmd>,
+    pub stats: Arc<Stats>,
+}
+
+fn gone() -> EngineError {
+    EngineError::InvalidArgument("decode loop has stopped".into())
+}
+
+impl Batcher {
+    /// Start the loop on its own thread; it ends when every handle is dropped.
+    pub fn start(engine: Engine, max_batch: usize) -> Batcher {
+        let stats = Arc::new(Stats {
+            running: AtomicU32::new(0),
+            queued: AtomicU32::new(0),
+            awaiting_kv: AtomicU32::new(0),
+            kv_used: AtomicU32::new(0),
+            kv_total: AtomicU32::new(engine.kv.total() as u32),
+            steps: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
+            step_seconds: Histogram::latency(),
+            outcomes: Outcomes::new(GRPC_OUTCOMES),
+        });
+        let (tx, rx) = mpsc::channel();
+        let s = stats.clone();
+        std::thread::Builder::new()
+            .name("decode-loop".into())
+            .spawn(move || Loop { engine, max_batch: max_batch.max(1), stats: s, ready: VecDeque::new(), running: Vec::new() }.run(rx))
+            .expect("spawn decode loop");
+        Batcher { tx, stats }
+    }
+
+    /// Reserve blocks for prompt + max_tokens; KvFull when they are not free.
+    pub async fn reserve(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<(SeqId, Vec<u32>), EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Reserve { prompt, params, reply }).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Write the prompt's KV into the sequence's blocks.
+    pub async fn import(&self, seq: SeqId, blob: KvBlob) -> Result<(), EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Import { seq, blob, reply }).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Join the batch with the first token; events go to `events` from now
+    /// on, and the loop releases the sequence when it ends or `events` closes.
+    pub fn start_sequence(&self, seq: SeqId, first_token: u32, events: Events) {
+        let _ = self.tx.send(Cmd::Start { seq, first_token, events });
+    }
+
+    /// Free a sequence that never started (unknown ids are ignored).
+    pub fn release(&self, seq: SeqId) {
+        let _ = self.tx.send(Cmd::Release { seq });
+    }
+}
+
+struct Seq {
+    id: SeqId,
+    events: Events,
+    n_prompt: u32,
+    n_generated: u32,
+}
+
+struct Loop {
+    engine: Engine,
+    max_batch: usize,
+    stats: Arc<Stats>,
+    /// Started, waiting for a batch slot.
+    ready: VecDeque<Seq>,
+    running: Vec<Seq>,
+}
+
+fn reason(f: FinishReason) -> i32 {
+    match f {
+        FinishReason::Stop => common::FinishReason::Stop as i32,
+        FinishReason::Length => common::FinishReason::Length as i32,
+    }
+}
+
+impl Loop {
+    fn run(mut self, rx: mpsc::Receiver<Cmd>) {
+        loop {
+            // Idle: block for work. Busy: take what has arrived and step.
+            let idle = self.running.is_empty() && self.ready.is_empty();
+            let first = if idle {
+                match rx.recv_timeout(Duration::from_millis(500)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            };
+            if let Some(c) = first {
+                self.handle(c);
+                while let Ok(c) = rx.try_recv() {
+                    self.handle(c);
+                }
+            }
+            self.drop_abandoned();
+            while self.running.len() < self.max_batch {
+                let Some(s) = self.ready.pop_front() else { break };
+                self.running.push(s);
+            }
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    fn handle(&mut self, c: Cmd) {
+        match c {
+            Cmd::Reserve { prompt, params, reply } => {
+                let r = self.engine.add_sequence(prompt, params).and_then(|id| {
+                    let blocks = self.engine.blocks(id)?.to_vec();
+                    Ok((id, blocks))
+                });
+                match r {
+                    Ok((id, blocks)) => {
+                        self.stats.awaiting_kv.fetch_add(1, Ordering::Relaxed);
+                        if reply.send(Ok((id, blocks))).is_err() {
+                            // The caller is gone already.
+                            self.release_reserved(id);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Cmd::Import { seq, blob, reply } => {
+                let _ = reply.send(self.engine.import_prompt_kv(seq, &blob));
+            }
+            Cmd::Start { seq, first_token, events } => {
+                self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
+                let n_prompt = self.engine.prompt_len(seq).unwrap_or(0) as u32;
+                match self.engine.attach_first_token(seq, first_token) {
+                    Ok(ev) => {
+                        let mut s = Seq { id: seq, events, n_prompt, n_generated: 0 };
+                        if self.emit(&mut s, &ev) {
+                            self.ready.push_back(s);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = events.send(Err(pdmesh_worker::status(&e)));
+                        self.stats.outcomes.inc("internal");
+                        let _ = self.engine.release(seq);
+                    }
+                }
+            }
+            Cmd::Release { seq } => self.release_reserved(seq),
+        }
+    }
+
+    fn release_reserved(&mut self, seq: SeqId) {
+        if self.engine.release(seq).is_ok() {
+            self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Send a token (and the end, if it is the last). Returns whether the
+    /// sequence goes on; a finished one has been released.
+    fn emit(&mut self, s: &mut Seq, ev: &TokenEvent) -> bool {
+        s.n_generated += 1;
+        self.stats.tokens.fetch_add(1, Ordering::Relaxed);
+        let tok = pb::GenerateResponse { event: Some(pb::generate_response::Event::Tokens(pb::Tokens { ids: vec![ev.token] })) };
+        let mut alive = s.events.send(Ok(tok)).is_ok();
+        if let Some(f) = ev.finish {
+            let usage = common::Usage { prompt_tokens: s.n_prompt, completion_tokens: s.n_generated };
+            let fin = pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(pb::Finished { reason: reason(f), usage: Some(usage) })) };
+            alive = s.events.send(Ok(fin)).is_ok();
+            let _ = self.engine.release(s.id);
+            self.stats.outcomes.inc(if alive { "ok" } else { "cancelled" });
+            return false;
+        }
+        if !alive {
+            let _ = self.engine.release(s.id);
+            self.stats.outcomes.inc("cancelled");
+        }
+        alive
+    }
+
+    /// Release sequences whose client has gone (stream closed).
+    fn drop_abandoned(&mut self) {
+        let engine = &mut self.engine;
+        let stats = &self.stats;
+        let mut keep = |s: &Seq| {
+            if s.events.is_closed() {
+                let _ = engine.release(s.id);
+                stats.outcomes.inc("cancelled");
+                false
+            } else {
+                true
+            }
+        };
+        self.running.retain(&mut keep);
+        self.ready.retain(&mut keep);
+    }
+
+    fn step(&mut self) {
+        let ids: Vec<SeqId> = self.running.iter().map(|s| s.id).collect();
+        let t = Instant::now();
+        let result = self.engine.decode(&ids);
+        self.stats.step_seconds.observe(t.elapsed().as_secs_f64());
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        match result {
+            Ok(events) => {
+                let mut running = std::mem::take(&mut self.running);
+                running.retain_mut(|s| match events.iter().find(|e| e.seq == s.id) {
+                    Some(ev) => self.emit(s, ev),
+                    None => true,
+                });
+                self.running = running;
+            }
+            Err(e) => {
+                // A step failure is a bug, not bad input: end every running
+                // request with it rather than retrying forever.
+                let st = pdmesh_worker::status(&e);
+                for s in self.running.drain(..) {
+                    let _ = s.events.send(Err(Status::internal(format!("decode step failed: {}", st.message()))));
+                    let _ = self.engine.release(s.id);
+                    self.stats.outcomes.inc("internal");
+                }
+            }
+        }
+    }
+
+    fn publish(&self) {
+        self.stats.running.store(self.running.len() as u32, Ordering::Relaxed);
+        self.stats.queued.store(self.ready.len() as u32, Ordering::Relaxed);
+        self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
+    }
+}

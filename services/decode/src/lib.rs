@@ -1,0 +1,70 @@
+//! pdmesh decode worker: admits a request by reserving KV blocks for its
+//! prompt plus max_tokens (RESOURCE_EXHAUSTED at once when they are not
+//! free), opens the transfer ticket, receives the prompt's KV from a
+//! prefill worker, then decodes it in a continuous batch and streams the
+//! tokens. Blocks are freed whenever the stream ends, for any reason.
+
+pub mod batcher;
+pub mod config;
+pub mod server;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use pdmesh_core::admin::AdminState;
+use pdmesh_core::metrics::Text;
+use pdmesh_core::peers::Peers;
+use pdmesh_core::serve::Admin;
+use pdmesh_proto::decode::v1 as pb;
+use pdmesh_proto::kvbroker::v1 as kpb;
+use pdmesh_worker::ServeError;
+use tokio::net::TcpListener;
+
+use crate::batcher::{Batcher, Stats};
+use crate::config::Config;
+
+fn render(st: &Stats) -> String {
+    let mut t = Text::default();
+    let g = |a: &std::sync::atomic::AtomicU32| a.load(Ordering::Relaxed) as f64;
+    t.gauge("pdmesh_decode_running", "Sequences in the running batch.", g(&st.running))
+        .gauge("pdmesh_decode_queued", "Sequences with their KV, waiting for a batch slot.", g(&st.queued))
+        .gauge("pdmesh_decode_awaiting_kv", "Admitted sequences waiting for their prompt's KV.", g(&st.awaiting_kv))
+        .gauge("pdmesh_decode_kv_blocks_used", "KV blocks reserved or in use.", g(&st.kv_used))
+        .gauge("pdmesh_decode_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
+        .counter("pdmesh_decode_steps_total", "Decode steps run.", st.steps.load(Ordering::Relaxed))
+        .counter("pdmesh_decode_tokens_total", "Tokens streamed (including each first token).", st.tokens.load(Ordering::Relaxed))
+        .histogram("pdmesh_decode_step_seconds", "Duration of one decode step.", &st.step_seconds);
+    st.outcomes.render(&mut t, "pdmesh_decode_requests_total", "Finished decode requests by outcome.");
+    t.0
+}
+
+/// Load the model, then serve on `listener` until `shutdown` resolves.
+pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
+    let stats_slot: Arc<std::sync::OnceLock<Arc<Stats>>> = Arc::default();
+    let s2 = stats_slot.clone();
+    let admin = AdminState::new(
+        "decode",
+        serde_json::json!({ "config": config, "transport": "tcp" }),
+        Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()),
+    );
+    let admin = Admin::start(&config.common, admin).await?;
+    let engine_args = config.engine.clone();
+    let engine = tokio::task::spawn_blocking(move || engine_args.load()).await.map_err(|e| ServeError::Setup(e.to_string()))??;
+    let layout = engine.kv.layout;
+    let batcher = Batcher::start(engine, config.engine.max_batch);
+    let _ = stats_slot.set(batcher.stats.clone());
+    let broker = Peers::resolve(&config.common, "kvbroker", &config.kvbroker_addr).map_err(ServeError::Setup)?;
+    let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;
+    let worker_id = config.common.instance_id.clone().unwrap_or_else(|| format!("decode-{}", std::process::id()));
+    let agent = kpb::Agent {
+        worker_id: worker_id.clone(),
+        transport: kpb::Transport::Tcp as i32,
+        address: config.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string()),
+        layout: Some(pdmesh_worker::layout_to_wire(&layout)),
+        ..Default::default()
+    };
+    let svc = server::Service { batcher, broker: broker.clone(), worker_id, layout, lease_ms: config.lease_ms, pending: Default::default() };
+    let routes = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc));
+    pdmesh_worker::serve_worker("decode", "pdmesh.decode.v1.Decode", routes, &config.common, admin, listener, shutdown, agent, broker).await
+}

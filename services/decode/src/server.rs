@@ -1,0 +1,198 @@
+//! The Decode gRPC handlers: admission (reserve + open ticket), waiting for
+//! the KV through the ticket, token streaming; WriteKv (the TCP transport's
+//! receiving end); Load.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pdmesh_core::metrics::outcome_of;
+use pdmesh_core::peers::Peers;
+use pdmesh_engine::{KvBlob, KvLayout, SeqId};
+use pdmesh_proto::decode::v1 as pb;
+use pdmesh_proto::kvbroker::v1 as kpb;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::batcher::{Batcher, Events};
+
+pub struct Service {
+    pub batcher: Batcher,
+    pub broker: Peers,
+    pub worker_id: String,
+    pub layout: KvLayout,
+    pub lease_ms: u32,
+    /// Sequences reserved and waiting for their KV, by request id.
+    pub pending: Arc<Mutex<HashMap<String, SeqId>>>,
+}
+
+/// Frees a reserved sequence that never started (client gone, ticket failed).
+struct Reservation {
+    batcher: Batcher,
+    pending: Arc<Mutex<HashMap<String, SeqId>>>,
+    request_id: String,
+    seq: SeqId,
+    started: bool,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.request_id);
+        if !self.started {
+            self.batcher.release(self.seq);
+        }
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+fn ticket_state(t: &kpb::Ticket) -> kpb::TicketState {
+    kpb::TicketState::try_from(t.state).unwrap_or(kpb::TicketState::Unspecified)
+}
+
+/// The status a request ends with when its ticket ends without the KV.
+fn ticket_failure(t: &kpb::Ticket) -> Status {
+    let why = if t.reason.is_empty() { String::new() } else { format!(": {}", t.reason) };
+    match ticket_state(t) {
+        kpb::TicketState::Cancelled => Status::cancelled(format!("KV transfer cancelled{why}")),
+        kpb::TicketState::Expired => Status::deadline_exceeded(format!("KV transfer lease expired{why}")),
+        _ => Status::unavailable(format!("KV transfer failed{why}")),
+    }
+}
+
+impl Service {
+    fn count(&self, s: &Status) {
+        self.batcher.stats.outcomes.inc(outcome_of(s.code()));
+    }
+
+    async fn admit(&self, r: pb::GenerateRequest) -> Result<EventStream, Status> {
+        if r.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is required"));
+        }
+        let params = pdmesh_worker::sampling(r.sampling.as_ref(), r.max_tokens, &r.stop_ids, r.ignore_eos);
+        let n_prompt = r.prompt_ids.len() as u32;
+        let (seq, blocks) = self.batcher.reserve(r.prompt_ids, params).await.map_err(|e| pdmesh_worker::status(&e))?;
+        {
+            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if p.contains_key(&r.request_id) {
+                drop(p);
+                self.batcher.release(seq);
+                return Err(Status::already_exists(format!("request {} is already admitted here", r.request_id)));
+            }
+            p.insert(r.request_id.clone(), seq);
+        }
+        let mut res = Reservation { batcher: self.batcher.clone(), pending: self.pending.clone(), request_id: r.request_id.clone(), seq, started: false };
+        let n_blocks = blocks.len() as u32;
+        let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
+        let open = kpb::OpenTicketRequest { request_id: r.request_id.clone(), dest_worker: self.worker_id.clone(), dest_blocks: blocks, n_tokens: n_prompt, lease_ms: self.lease_ms };
+        broker.open_ticket(open).await.map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
+        let mut watch = match broker.watch_ticket(kpb::WatchTicketRequest { request_id: r.request_id.clone() }).await {
+            Ok(w) => w.into_inner(),
+            Err(e) => {
+                cancel(broker.clone(), &r.request_id, "decode could not watch the ticket");
+                return Err(Status::unavailable(format!("kvbroker: {}", e.message())));
+            }
+        };
+        let (tx, rx): (Events, _) = tokio::sync::mpsc::unbounded_channel();
+        let _ = tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Admitted(pb::Admitted { kv_blocks: n_blocks })) }));
+        let batcher = self.batcher.clone();
+        let request_id = r.request_id;
+        tokio::spawn(async move {
+            // Wait for the prefill's KV: the ticket turns DONE with the first token.
+            let end = loop {
+                tokio::select! {
+                    _ = tx.closed() => {
+                        cancel(broker.clone(), &request_id, "client went away before the first token");
+                        break Status::cancelled("client went away");
+                    }
+                    m = watch.message() => match m {
+                        Ok(Some(t)) => match ticket_state(&t) {
+                            kpb::TicketState::Done => {
+                                let Some(first) = t.first_token else {
+                                    break Status::internal("ticket done without a first token");
+                                };
+                                res.started = true;
+                                batcher.start_sequence(res.seq, first, tx);
+                                return;
+                            }
+                            kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired => break ticket_failure(&t),
+                            _ => continue,
+                        },
+                        Ok(None) | Err(_) => {
+                            cancel(broker.clone(), &request_id, "decode lost the kvbroker watch");
+                            break Status::unavailable("kvbroker connection lost while waiting for the KV");
+                        }
+                    }
+                }
+            };
+            batcher.stats.outcomes.inc(outcome_of(end.code()));
+            let _ = tx.send(Err(end));
+            drop(res);
+        });
+        Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)))
+    }
+}
+
+/// Cancel a ticket in the background (best effort: leases cover failures).
+fn cancel(mut broker: pdmesh_worker::BrokerClient, request_id: &str, reason: &str) {
+    let req = kpb::CancelTicketRequest { request_id: request_id.into(), reason: reason.into() };
+    tokio::spawn(async move {
+        let _ = broker.cancel_ticket(req).await;
+    });
+}
+
+#[tonic::async_trait]
+impl pb::decode_server::Decode for Service {
+    type GenerateStream = EventStream;
+
+    async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
+        match self.admit(req.into_inner()).await {
+            Ok(s) => Ok(Response::new(s)),
+            Err(e) => {
+                self.count(&e);
+                Err(e)
+            }
+        }
+    }
+
+    async fn write_kv(&self, req: Request<Streaming<pb::KvChunk>>) -> Result<Response<pb::WriteKvResponse>, Status> {
+        let mut s = req.into_inner();
+        let first = s.message().await?.ok_or_else(|| Status::invalid_argument("empty KV stream"))?;
+        let layout = pdmesh_worker::layout_from_wire(first.layout.as_ref().ok_or_else(|| Status::invalid_argument("first chunk needs the layout"))?)?;
+        if layout != self.layout {
+            return Err(Status::failed_precondition(format!("KV layout {layout:?} does not match this worker's {:?}", self.layout)));
+        }
+        let seq = *self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&first.request_id)
+            .ok_or_else(|| Status::not_found(format!("no reservation for request {} here", first.request_id)))?;
+        let n_tokens = first.n_tokens as usize;
+        let expected = layout.blocks_for(n_tokens) * layout.block_bytes();
+        let mut bytes = Vec::with_capacity(expected);
+        bytes.extend_from_slice(&first.data);
+        while let Some(c) = s.message().await? {
+            if bytes.len() + c.data.len() > expected {
+                return Err(Status::invalid_argument(format!("more than the {expected} bytes {n_tokens} positions take")));
+            }
+            bytes.extend_from_slice(&c.data);
+        }
+        let n = bytes.len() as u64;
+        self.batcher.import(seq, KvBlob { layout, n_tokens, bytes }).await.map_err(|e| pdmesh_worker::status(&e))?;
+        Ok(Response::new(pb::WriteKvResponse { bytes: n }))
+    }
+
+    async fn load(&self, _req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
+        let st = &self.batcher.stats;
+        Ok(Response::new(pb::LoadResponse {
+            running: st.running.load(Ordering::Relaxed),
+            queued: st.queued.load(Ordering::Relaxed) + st.awaiting_kv.load(Ordering::Relaxed),
+            kv_blocks_used: st.kv_used.load(Ordering::Relaxed),
+            kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
+            kv_blocks_pinned: 0,
+        }))
+    }
+}

@@ -1,0 +1,193 @@
+//! What the prefill and decode workers share: engine flags and loading,
+//! the one mapping of engine errors to gRPC statuses, conversions between
+//! wire and engine types, and the kvbroker client.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pdmesh_core::peers::Peers;
+use pdmesh_engine::{Engine, EngineError, EngineOptions, KvLayout, Model, SamplingParams};
+use pdmesh_proto::common::v1 as common;
+use pdmesh_proto::kvbroker::v1 as kpb;
+use tonic::Status;
+
+/// Engine flags of a worker (each also an environment variable).
+#[derive(clap::Args, Debug, Clone, serde::Serialize)]
+pub struct EngineArgs {
+    /// GGUF model file. Default: the cached SmolLM2 model, fetched on first use.
+    #[arg(long, env = "PDMESH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Kernel threads (0 = all cores).
+    #[arg(long, env = "PDMESH_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// KV cache blocks in this worker's arena.
+    #[arg(long, env = "PDMESH_KV_BLOCKS", default_value_t = 2048)]
+    pub kv_blocks: usize,
+    /// Positions per KV block (prefill and decode must agree).
+    #[arg(long, env = "PDMESH_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Most sequences in one forward step.
+    #[arg(long, env = "PDMESH_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// Most prompt tokens of one sequence per prefill step (chunked prefill).
+    #[arg(long, env = "PDMESH_PREFILL_CHUNK", default_value_t = 512)]
+    pub prefill_chunk: usize,
+}
+
+impl EngineArgs {
+    pub fn options(&self) -> EngineOptions {
+        EngineOptions { block_size: self.block_size, kv_blocks: self.kv_blocks, threads: self.threads, prefill_chunk: self.prefill_chunk }
+    }
+
+    /// Fetch the model if needed and build the engine (blocking; call it
+    /// from a blocking thread).
+    pub fn load(&self) -> Result<Engine, EngineError> {
+        if self.max_batch == 0 {
+            return Err(EngineError::InvalidArgument("--max-batch must be at least 1".into()));
+        }
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => pdmesh_engine::fetch::ensure_model()?,
+        };
+        let (model, _gguf) = Model::load(&path)?;
+        Engine::new(model, self.options())
+    }
+}
+
+/// The gRPC status for an engine error.
+pub fn status(e: &EngineError) -> Status {
+    let msg = e.to_string();
+    match e {
+        EngineError::KvFull { .. } => Status::resource_exhausted(msg),
+        EngineError::UnknownSequence(_) => Status::not_found(msg),
+        EngineError::KvMismatch(_) => Status::failed_precondition(msg),
+        e if e.is_bad_input() => Status::invalid_argument(msg),
+        _ => Status::internal(msg),
+    }
+}
+
+/// Engine sampling parameters from the wire (validated by the engine).
+pub fn sampling(s: Option<&common::SamplingParams>, max_tokens: u32, stop_ids: &[u32], ignore_eos: bool) -> SamplingParams {
+    let s = s.cloned().unwrap_or_default();
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+        seed: s.seed,
+        max_tokens: max_tokens as usize,
+        stop_ids: stop_ids.to_vec(),
+        ignore_eos,
+    }
+}
+
+pub fn layout_to_wire(l: &KvLayout) -> common::KvLayout {
+    common::KvLayout { n_layers: l.n_layers as u32, n_kv_heads: l.n_kv_heads as u32, head_dim: l.head_dim as u32, block_size: l.block_size as u32, dtype: "f16".into() }
+}
+
+pub fn layout_from_wire(l: &common::KvLayout) -> Result<KvLayout, Status> {
+    if l.dtype != "f16" {
+        return Err(Status::failed_precondition(format!("KV dtype {:?} is not supported (f16 only)", l.dtype)));
+    }
+    Ok(KvLayout { n_layers: l.n_layers as usize, n_kv_heads: l.n_kv_heads as usize, head_dim: l.head_dim as usize, block_size: l.block_size as usize })
+}
+
+pub type BrokerClient = kpb::kv_broker_client::KvBrokerClient<tonic::transport::Channel>;
+
+/// A client of a live kvbroker (waits up to `timeout` for one to appear).
+pub async fn broker(peers: &Peers, timeout: Duration) -> Result<BrokerClient, Status> {
+    let (_, ch) = peers.first(timeout).await.map_err(Status::unavailable)?;
+    Ok(kpb::kv_broker_client::KvBrokerClient::new(ch))
+}
+
+/// Keep `agent` registered at the broker: now, and again every `every`
+/// (a restarted broker learns it again). Returns once the first
+/// registration succeeded; `ready` is told each outcome.
+pub async fn keep_registered(peers: Peers, agent: kpb::Agent, every: Duration, ready: tokio::sync::watch::Sender<bool>) {
+    let mut first = true;
+    loop {
+        let ok = match broker(&peers, every).await {
+            Ok(mut c) => {
+                let mut req = tonic::Request::new(kpb::RegisterAgentRequest { agent: Some(agent.clone()) });
+                req.set_timeout(Duration::from_secs(2));
+                c.register_agent(req).await.is_ok()
+            }
+            Err(_) => false,
+        };
+        if ok != *ready.borrow() || first {
+            let _ = ready.send(ok);
+        }
+        first = false;
+        tokio::time::sleep(if ok { every } else { Duration::from_millis(200) }).await;
+        if ready.is_closed() {
+            return;
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Serve(#[from] pdmesh_core::serve::ServeError),
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Serve a worker's `routes` until `shutdown`. gRPC health, `/health` and
+/// the registry entry follow the broker registration of `agent`: the
+/// worker is in service only while the kvbroker knows how to reach it.
+pub async fn serve_worker(
+    service: &'static str,
+    grpc_name: &'static str,
+    routes: tonic::service::Routes,
+    common: &pdmesh_core::args::CommonArgs,
+    admin: pdmesh_core::serve::Admin,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+    agent: kpb::Agent,
+    broker_peers: Peers,
+) -> Result<(), ServeError> {
+    use pdmesh_core::serve::Announced;
+    use std::sync::{Arc, Mutex};
+    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, grpc_name).await.map_err(ServeError::Setup)?;
+    let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("local address: {e}")))?;
+    let (ready_tx, mut ready_rx) = tokio::sync::watch::channel(false);
+    let registrar = tokio::spawn(keep_registered(broker_peers, agent, Duration::from_secs(2), ready_tx));
+    let announced: Arc<Mutex<Option<Announced>>> = Arc::default();
+    let gate = async {
+        let mut was = false;
+        loop {
+            if ready_rx.changed().await.is_err() {
+                return;
+            }
+            let now = *ready_rx.borrow_and_update();
+            if now == was {
+                continue;
+            }
+            was = now;
+            health.set(now).await;
+            let first = announced.lock().unwrap_or_else(|e| e.into_inner()).is_none();
+            if now && first {
+                match admin.announce(service, common, grpc_addr).await {
+                    Ok(a) => *announced.lock().unwrap_or_else(|e| e.into_inner()) = Some(a),
+                    Err(e) => eprintln!("{service}: registry announcement failed: {e}"),
+                }
+            } else {
+                admin.state.set_ready(now);
+            }
+        }
+    };
+    let server = pdmesh_core::grpc::serve_routes(routes, listener, shutdown);
+    let result = tokio::select! {
+        r = server => r,
+        _ = async { gate.await; std::future::pending::<()>().await } => unreachable!(),
+    };
+    registrar.abort();
+    let a = announced.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(Announced::none);
+    admin.shut_down(a)?;
+    result?;
+    Ok(())
+}
