@@ -83,6 +83,20 @@ impl Text {
     }
 }
 
+impl Default for Histogram {
+    /// Latency buckets.
+    fn default() -> Self {
+        Histogram::latency()
+    }
+}
+
+impl Default for Outcomes {
+    /// The gRPC outcome labels.
+    fn default() -> Self {
+        Outcomes::new(GRPC_OUTCOMES)
+    }
+}
+
 /// Counters of finished requests by outcome label.
 pub struct Outcomes {
     names: &'static [&'static str],

@@ -1,0 +1,27 @@
+//! Flags of `pdmesh-prefill` (each also an environment variable).
+
+use std::net::SocketAddr;
+
+#[derive(clap::Parser, Debug, Clone, serde::Serialize)]
+#[command(name = "pdmesh-prefill", version, about = "pdmesh prefill worker (gRPC)")]
+pub struct Config {
+    /// gRPC listen address.
+    #[arg(long, env = "PDMESH_PREFILL_LISTEN", default_value = "127.0.0.1:50071")]
+    pub listen: SocketAddr,
+    /// kvbroker address(es); default: found in the registry.
+    #[arg(long = "kvbroker-addr", env = "PDMESH_KVBROKER_ADDR", value_delimiter = ',')]
+    pub kvbroker_addr: Vec<String>,
+    /// Most prompt tokens in one batched prefill step (over all sequences).
+    #[arg(long, env = "PDMESH_PREFILL_BATCH_TOKENS", default_value_t = 2048)]
+    pub batch_tokens: usize,
+    /// How long to wait for the decode worker to open the transfer ticket, in milliseconds.
+    #[arg(long, env = "PDMESH_PREFILL_CLAIM_TIMEOUT_MS", default_value_t = 10_000)]
+    pub claim_timeout_ms: u64,
+    /// Bytes per KV chunk on the TCP transport.
+    #[arg(long, env = "PDMESH_PREFILL_CHUNK_BYTES", default_value_t = 1 << 20)]
+    pub chunk_bytes: usize,
+    #[command(flatten)]
+    pub engine: pdmesh_worker::EngineArgs,
+    #[command(flatten)]
+    pub common: pdmesh_core::args::CommonArgs,
+}

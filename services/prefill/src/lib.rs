@@ -1,0 +1,71 @@
+//! pdmesh prefill worker: batches queued prompts into forward steps,
+//! samples each one's first token, writes its KV into the blocks a decode
+//! worker reserved (the transfer ticket named by the request id), and
+//! frees its own blocks right away.
+
+pub mod batcher;
+pub mod config;
+pub mod server;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdmesh_core::admin::AdminState;
+use pdmesh_core::metrics::Text;
+use pdmesh_core::peers::Peers;
+use pdmesh_core::serve::Admin;
+use pdmesh_proto::kvbroker::v1 as kpb;
+use pdmesh_proto::prefill::v1 as pb;
+use pdmesh_worker::ServeError;
+use tokio::net::TcpListener;
+
+use crate::batcher::{Batcher, Stats};
+use crate::config::Config;
+
+fn render(st: &Stats) -> String {
+    let mut t = Text::default();
+    let g = |a: &std::sync::atomic::AtomicU32| a.load(Ordering::Relaxed) as f64;
+    t.gauge("pdmesh_prefill_running", "Prompts in the forward step now running.", g(&st.running))
+        .gauge("pdmesh_prefill_queued", "Prompts waiting for a forward step.", g(&st.queued))
+        .gauge("pdmesh_prefill_kv_blocks_used", "KV blocks in use (only during a step).", g(&st.kv_used))
+        .gauge("pdmesh_prefill_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
+        .counter("pdmesh_prefill_steps_total", "Batched prefill steps run.", st.steps.load(Ordering::Relaxed))
+        .counter("pdmesh_prefill_prompt_tokens_total", "Prompt tokens run forward.", st.prompt_tokens.load(Ordering::Relaxed))
+        .counter("pdmesh_prefill_kv_transfer_bytes_total", "KV bytes written to decode workers.", st.transfer_bytes.load(Ordering::Relaxed))
+        .histogram("pdmesh_prefill_step_seconds", "Duration of one batched prefill step.", &st.step_seconds)
+        .histogram("pdmesh_prefill_kv_transfer_seconds", "Duration of one KV transfer to a decode worker.", &st.transfer_seconds);
+    st.outcomes.render(&mut t, "pdmesh_prefill_requests_total", "Finished prefill requests by outcome.");
+    t.0
+}
+
+/// Load the model, then serve on `listener` until `shutdown` resolves.
+pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
+    let stats_slot: Arc<std::sync::OnceLock<Arc<Stats>>> = Arc::default();
+    let s2 = stats_slot.clone();
+    let admin = AdminState::new(
+        "prefill",
+        serde_json::json!({ "config": config, "transport": "tcp" }),
+        Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()),
+    );
+    let admin = Admin::start(&config.common, admin).await?;
+    let engine_args = config.engine.clone();
+    let engine = tokio::task::spawn_blocking(move || engine_args.load()).await.map_err(|e| ServeError::Setup(e.to_string()))??;
+    let layout = engine.kv.layout;
+    let batcher = Batcher::start(engine, config.engine.max_batch, config.batch_tokens);
+    let _ = stats_slot.set(batcher.stats.clone());
+    let broker = Peers::resolve(&config.common, "kvbroker", &config.kvbroker_addr).map_err(ServeError::Setup)?;
+    let worker_id = config.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
+    let agent = kpb::Agent { worker_id: worker_id.clone(), transport: kpb::Transport::Tcp as i32, layout: Some(pdmesh_worker::layout_to_wire(&layout)), ..Default::default() };
+    let svc = server::Service {
+        batcher,
+        broker: broker.clone(),
+        worker_id,
+        claim_timeout: Duration::from_millis(config.claim_timeout_ms),
+        chunk_bytes: config.chunk_bytes,
+        agents: Default::default(),
+    };
+    let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));
+    pdmesh_worker::serve_worker("prefill", "pdmesh.prefill.v1.Prefill", routes, &config.common, admin, listener, shutdown, agent, broker).await
+}

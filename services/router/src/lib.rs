@@ -1,0 +1,97 @@
+//! pdmesh router: the public `pdmesh.router.v1.Router/Generate`. Tokenizes
+//! through the tokenizer service, picks the least busy prefill and decode
+//! workers from discovery, dispatches to both at once (the decode reserves
+//! KV blocks and opens the transfer ticket, the prefill fills them), streams
+//! detokenized deltas, and ends every request with a finish or one clear
+//! status — cancelling the transfer so both workers free their blocks.
+
+pub mod config;
+pub mod server;
+pub mod stop;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdmesh_core::admin::AdminState;
+use pdmesh_core::metrics::Text;
+use pdmesh_core::peers::Peers;
+use pdmesh_core::serve::{Admin, ServeError};
+use pdmesh_proto::router::v1 as pb;
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::server::{Metrics, Router};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn render(m: &Metrics) -> String {
+    let mut t = Text::default();
+    t.gauge("pdmesh_router_in_flight", "Requests being served.", m.in_flight.load(Ordering::Relaxed) as f64)
+        .histogram("pdmesh_router_ttft_seconds", "Time from request arrival to the first token.", &m.ttft)
+        .histogram("pdmesh_router_inter_token_seconds", "Gap between consecutive tokens of a request.", &m.itl)
+        .histogram("pdmesh_router_request_seconds", "Time from request arrival to its end.", &m.e2e)
+        .counter("pdmesh_router_prompt_tokens_total", "Prompt tokens of finished requests.", m.prompt_tokens.load(Ordering::Relaxed))
+        .counter("pdmesh_router_completion_tokens_total", "Tokens generated for finished requests.", m.completion_tokens.load(Ordering::Relaxed));
+    m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
+    t.0
+}
+
+/// Serve the router on `listener` until `shutdown` resolves. Healthy once
+/// at least one tokenizer, prefill and decode worker is live.
+pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+    let metrics = Arc::new(Metrics::default());
+    let m2 = metrics.clone();
+    let admin = AdminState::new("router", serde_json::json!({ "config": config }), Arc::new(move || render(&m2)));
+    let admin = Admin::start(&config.common, admin).await?;
+    let c = &config.common;
+    let router = Arc::new(Router {
+        tokenizer: Peers::resolve(c, "tokenizer", &config.tokenizer_addr).map_err(Error::Setup)?,
+        prefill: Peers::resolve(c, "prefill", &config.prefill_addr).map_err(Error::Setup)?,
+        decode: Peers::resolve(c, "decode", &config.decode_addr).map_err(Error::Setup)?,
+        broker: Peers::resolve(c, "kvbroker", &config.kvbroker_addr).map_err(Error::Setup)?,
+        timeout: Duration::from_secs(config.request_timeout_s.max(1)),
+        retries: config.retries,
+        max_stop: config.max_stop,
+        metrics,
+        load: Default::default(),
+        info: Default::default(),
+        next_id: Default::default(),
+    });
+    let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
+    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, "pdmesh.router.v1.Router").await.map_err(Error::Setup)?;
+    let grpc_addr = listener.local_addr().map_err(|e| Error::Setup(e.to_string()))?;
+    // Ready once every kind of worker is reachable.
+    let r2 = router.clone();
+    let ready = async move {
+        loop {
+            let all = !r2.tokenizer.instances().is_empty() && !r2.prefill.instances().is_empty() && !r2.decode.instances().is_empty() && !r2.broker.instances().is_empty();
+            if all {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let server = pdmesh_core::grpc::serve_routes(routes, listener, shutdown);
+    tokio::pin!(server);
+    let announced = tokio::select! {
+        r = &mut server => { admin.shut_down(pdmesh_core::serve::Announced::none())?; r?; return Ok(()); }
+        _ = ready => {
+            health.set(true).await;
+            admin.announce("router", &config.common, grpc_addr).await?
+        }
+    };
+    let r = server.await;
+    admin.shut_down(announced)?;
+    r?;
+    Ok(())
+}

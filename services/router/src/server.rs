@@ -1,0 +1,412 @@
+//! The router's Generate: validate, tokenize, pick a prefill and a decode
+//! worker, dispatch to both at once, stream detokenized deltas, finish with
+//! usage — or end with one clear status, cancelling the KV transfer so both
+//! workers free their blocks.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdmesh_core::discovery::Instance;
+use pdmesh_core::metrics::{outcome_of, Histogram, Outcomes};
+use pdmesh_core::peers::Peers;
+use pdmesh_proto::common::v1 as common;
+use pdmesh_proto::decode::v1 as dpb;
+use pdmesh_proto::kvbroker::v1 as kpb;
+use pdmesh_proto::prefill::v1 as ppb;
+use pdmesh_proto::router::v1 as pb;
+use pdmesh_proto::tokenizer::v1 as tpb;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::stop::StopMatcher;
+
+/// How long to wait for a worker of some kind to appear.
+const PEER_WAIT: Duration = Duration::from_secs(2);
+
+#[derive(Default)]
+pub struct Metrics {
+    pub in_flight: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub outcomes: Outcomes,
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+}
+
+pub struct Router {
+    pub tokenizer: Peers,
+    pub prefill: Peers,
+    pub decode: Peers,
+    pub broker: Peers,
+    pub timeout: Duration,
+    pub retries: u32,
+    pub max_stop: usize,
+    pub metrics: Arc<Metrics>,
+    /// Requests in flight per worker address (the routing load signal).
+    pub load: Arc<Mutex<HashMap<String, u32>>>,
+    pub info: tokio::sync::OnceCell<tpb::InfoResponse>,
+    pub next_id: AtomicU64,
+}
+
+/// Counts a request against a worker while alive.
+struct Busy {
+    load: Arc<Mutex<HashMap<String, u32>>>,
+    addr: String,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if let Some(n) = self.load.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&self.addr) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// Aborts a spawned task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+type DeltaStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+type Tx = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
+
+fn delta(ids: Vec<u32>, text: String) -> pb::GenerateResponse {
+    pb::GenerateResponse { event: Some(pb::generate_response::Event::Delta(pb::Delta { ids, text })) }
+}
+
+/// Validated request, ready to run.
+struct Job {
+    request_id: String,
+    input: pb::generate_request::Input,
+    sampling: common::SamplingParams,
+    max_tokens: u32,
+    stop: Vec<String>,
+    ignore_eos: bool,
+}
+
+impl Router {
+    fn validate(&self, r: pb::GenerateRequest) -> Result<Job, Status> {
+        let input = r.input.ok_or_else(|| Status::invalid_argument("set prompt or chat"))?;
+        match &input {
+            pb::generate_request::Input::Prompt(p) if p.is_empty() => return Err(Status::invalid_argument("prompt is empty")),
+            pb::generate_request::Input::Chat(c) if c.messages.is_empty() => return Err(Status::invalid_argument("messages is empty")),
+            _ => {}
+        }
+        if r.max_tokens == 0 {
+            return Err(Status::invalid_argument("max_tokens must be at least 1"));
+        }
+        let s = r.sampling.unwrap_or_default();
+        if !(0.0..=2.0).contains(&s.temperature) {
+            return Err(Status::invalid_argument(format!("temperature must be in [0, 2], got {}", s.temperature)));
+        }
+        if !(0.0..=1.0).contains(&s.top_p) {
+            return Err(Status::invalid_argument(format!("top_p must be in (0, 1], got {}", s.top_p)));
+        }
+        if r.stop.len() > self.max_stop || r.stop.iter().any(|s| s.is_empty()) {
+            return Err(Status::invalid_argument(format!("stop takes at most {} non-empty strings", self.max_stop)));
+        }
+        let request_id = if r.request_id.is_empty() {
+            format!("req-{:x}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
+        } else if r.request_id.len() > 128 || !r.request_id.chars().all(|c| c.is_ascii_graphic()) {
+            return Err(Status::invalid_argument("request_id must be at most 128 printable ASCII characters"));
+        } else {
+            r.request_id
+        };
+        Ok(Job { request_id, input, sampling: s, max_tokens: r.max_tokens, stop: r.stop, ignore_eos: r.ignore_eos })
+    }
+
+    fn tokenizer_client(&self) -> Result<tpb::tokenizer_client::TokenizerClient<Channel>, Status> {
+        let list = self.tokenizer.instances();
+        let inst = list.first().ok_or_else(|| Status::unavailable("no live tokenizer"))?;
+        Ok(tpb::tokenizer_client::TokenizerClient::new(self.tokenizer.channel(inst).map_err(Status::internal)?))
+    }
+
+    async fn model_info(&self) -> Result<&tpb::InfoResponse, Status> {
+        self.info
+            .get_or_try_init(|| async {
+                let _ = self.tokenizer.wait_any(PEER_WAIT).await;
+                let mut c = self.tokenizer_client()?;
+                Ok::<_, Status>(c.info(tpb::InfoRequest {}).await?.into_inner())
+            })
+            .await
+    }
+
+    async fn encode(&self, input: pb::generate_request::Input) -> Result<Vec<u32>, Status> {
+        let _ = self.tokenizer.wait_any(PEER_WAIT).await;
+        let mut c = self.tokenizer_client()?;
+        let input = match input {
+            pb::generate_request::Input::Prompt(p) => tpb::encode_request::Input::Prompt(p),
+            pb::generate_request::Input::Chat(c) => tpb::encode_request::Input::Chat(tpb::ChatMessages {
+                messages: c.messages.into_iter().map(|m| tpb::ChatMessage { role: m.role, content: m.content }).collect(),
+            }),
+        };
+        let r = c.encode(tpb::EncodeRequest { input: Some(input), parse_special: false }).await.map_err(|e| match e.code() {
+            tonic::Code::InvalidArgument => e,
+            _ => Status::unavailable(format!("tokenizer: {}", e.message())),
+        })?;
+        Ok(r.into_inner().ids)
+    }
+
+    /// The least busy live instance of `peers` not in `tried`.
+    async fn pick(&self, peers: &Peers, tried: &[String]) -> Result<(Instance, Channel, Busy), Status> {
+        let list = peers.wait_any(PEER_WAIT).await.ok_or_else(|| Status::unavailable(format!("no live {} worker", peers.service())))?;
+        let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+        let rot = self.next_id.load(Ordering::Relaxed) as usize;
+        let n = list.len();
+        let best = (0..n)
+            .map(|i| &list[(i + rot) % n])
+            .filter(|inst| !tried.contains(&inst.grpc_addr))
+            .min_by_key(|inst| load.get(&inst.grpc_addr).copied().unwrap_or(0))
+            .cloned()
+            .ok_or_else(|| Status::unavailable(format!("every {} worker refused or failed", peers.service())))?;
+        *load.entry(best.grpc_addr.clone()).or_default() += 1;
+        drop(load);
+        let ch = peers.channel(&best).map_err(Status::internal)?;
+        let busy = Busy { load: self.load.clone(), addr: best.grpc_addr.clone() };
+        Ok((best, ch, busy))
+    }
+
+    async fn cancel_ticket(&self, request_id: &str, reason: &str) {
+        if let Some(inst) = self.broker.instances().first() {
+            if let Ok(ch) = self.broker.channel(inst) {
+                let mut c = kpb::kv_broker_client::KvBrokerClient::new(ch);
+                let mut req = Request::new(kpb::CancelTicketRequest { request_id: request_id.into(), reason: reason.into() });
+                req.set_timeout(Duration::from_secs(2));
+                let _ = c.cancel_ticket(req).await;
+            }
+        }
+    }
+
+    /// Run one validated request, sending events to `tx`. Returns the
+    /// ticket id in use when it fails (so the caller cancels it).
+    async fn run(&self, job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
+        let started = Instant::now();
+        let info = self.model_info().await?.clone();
+        let prompt = self.encode(job.input).await?;
+        if prompt.is_empty() {
+            return Err(Status::invalid_argument("the prompt encodes to no tokens"));
+        }
+        let needed = prompt.len() as u64 + job.max_tokens as u64 - 1;
+        if needed > info.context_length as u64 {
+            return Err(Status::invalid_argument(format!(
+                "prompt has {} tokens; with max_tokens {} it needs {needed} positions but the context holds {}",
+                prompt.len(),
+                job.max_tokens,
+                info.context_length
+            )));
+        }
+        let n_prompt = prompt.len() as u32;
+        let mut tried_d: Vec<String> = Vec::new();
+        let mut tried_p: Vec<String> = Vec::new();
+        let mut attempt = 0u32;
+        let (mut dstream, prefill_task, _busy) = loop {
+            let ticket_id = if attempt == 0 { job.request_id.clone() } else { format!("{}.{attempt}", job.request_id) };
+            *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
+            let (d, dch, dbusy) = self.pick(&self.decode, &tried_d).await?;
+            let (p, pch, pbusy) = match self.pick(&self.prefill, &tried_p).await {
+                Ok(x) => x,
+                Err(e) if !tried_p.is_empty() => {
+                    // Every prefill was tried once: allow them again.
+                    tried_p.clear();
+                    let _ = e;
+                    self.pick(&self.prefill, &tried_p).await?
+                }
+                Err(e) => return Err(e),
+            };
+            let preq = ppb::PrefillRequest { request_id: ticket_id.clone(), prompt_ids: prompt.clone(), sampling: Some(job.sampling.clone()) };
+            let prefill_task = AbortOnDrop(tokio::spawn(async move { ppb::prefill_client::PrefillClient::new(pch).prefill(preq).await }));
+            let dreq = dpb::GenerateRequest {
+                request_id: ticket_id.clone(),
+                prompt_ids: prompt.clone(),
+                sampling: Some(job.sampling.clone()),
+                max_tokens: job.max_tokens,
+                stop_ids: vec![],
+                ignore_eos: job.ignore_eos,
+            };
+            let opened = async {
+                let mut s = dpb::decode_client::DecodeClient::new(dch).generate(dreq).await?.into_inner();
+                match s.message().await? {
+                    Some(dpb::GenerateResponse { event: Some(dpb::generate_response::Event::Admitted(_)) }) => Ok(s),
+                    _ => Err(Status::internal("decode worker did not admit the request")),
+                }
+            }
+            .await;
+            match opened {
+                Ok(s) => break (s, prefill_task, (dbusy, pbusy)),
+                Err(e) => {
+                    drop(prefill_task);
+                    self.cancel_ticket(&ticket_id, "decode refused the request").await;
+                    let retryable = matches!(e.code(), tonic::Code::ResourceExhausted | tonic::Code::Unavailable);
+                    if !retryable || attempt >= self.retries {
+                        return Err(match e.code() {
+                            tonic::Code::Unavailable => Status::unavailable(format!("decode worker {}: {}", d.id, e.message())),
+                            _ => e,
+                        });
+                    }
+                    tried_d.push(d.grpc_addr.clone());
+                    tried_p.push(p.grpc_addr.clone());
+                    attempt += 1;
+                }
+            }
+        };
+        // Stream: decode tokens -> detokenize -> stop strings -> client.
+        let mut prefill_task = Some(prefill_task);
+        let mut detok: Option<(mpsc::Sender<tpb::DetokenizeRequest>, tonic::Streaming<tpb::DetokenizeResponse>)> = None;
+        let mut stops = StopMatcher::new(job.stop);
+        let mut n_out = 0u32;
+        let mut last_token: Option<Instant> = None;
+        loop {
+            let msg = tokio::select! {
+                m = dstream.message() => m,
+                p = async { (&mut prefill_task.as_mut().expect("guarded").0).await }, if prefill_task.is_some() => {
+                    prefill_task = None;
+                    match p {
+                        Ok(Ok(_)) => continue,
+                        Ok(Err(e)) => return Err(prefill_failure(e)),
+                        Err(_) => return Err(Status::internal("prefill task failed")),
+                    }
+                }
+            };
+            let ev = match msg {
+                Ok(Some(m)) => m.event,
+                Ok(None) => return Err(Status::unavailable("decode worker ended the stream without finishing")),
+                Err(e) => return Err(decode_failure(e)),
+            };
+            match ev {
+                Some(dpb::generate_response::Event::Tokens(t)) => {
+                    let now = Instant::now();
+                    match last_token {
+                        None => self.metrics.ttft.observe((now - started).as_secs_f64()),
+                        Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64() / t.ids.len().max(1) as f64),
+                    }
+                    last_token = Some(now);
+                    n_out += t.ids.len() as u32;
+                    let text = self.detokenize(&mut detok, t.ids.clone()).await?;
+                    let step = stops.push(&text);
+                    if tx.send(Ok(delta(t.ids, step.emit))).await.is_err() {
+                        return Err(Status::cancelled("client went away"));
+                    }
+                    if step.stopped {
+                        return self.finish(tx, common::FinishReason::Stop, n_prompt, n_out).await;
+                    }
+                }
+                Some(dpb::generate_response::Event::Finished(f)) => {
+                    let mut rest = String::new();
+                    if let Some((s, mut r)) = detok.take() {
+                        drop(s);
+                        while let Ok(Some(m)) = r.message().await {
+                            rest.push_str(&m.text);
+                        }
+                    }
+                    let step = stops.push(&rest);
+                    let mut tail = step.emit;
+                    if !step.stopped {
+                        tail.push_str(&stops.finish());
+                    }
+                    if !tail.is_empty() {
+                        let _ = tx.send(Ok(delta(vec![], tail))).await;
+                    }
+                    let reason = if step.stopped { common::FinishReason::Stop } else { common::FinishReason::try_from(f.reason).unwrap_or(common::FinishReason::Stop) };
+                    let _ = f.usage;
+                    return self.finish(tx, reason, n_prompt, n_out).await;
+                }
+                Some(dpb::generate_response::Event::Admitted(_)) | None => {}
+            }
+        }
+    }
+
+    async fn detokenize(
+        &self,
+        detok: &mut Option<(mpsc::Sender<tpb::DetokenizeRequest>, tonic::Streaming<tpb::DetokenizeResponse>)>,
+        ids: Vec<u32>,
+    ) -> Result<String, Status> {
+        if detok.is_none() {
+            let (s, r) = mpsc::channel(16);
+            let mut c = self.tokenizer_client()?;
+            let resp = c.detokenize(tokio_stream::wrappers::ReceiverStream::new(r)).await.map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
+            *detok = Some((s, resp.into_inner()));
+        }
+        let (s, r) = detok.as_mut().expect("just set");
+        s.send(tpb::DetokenizeRequest { ids, render_special: false }).await.map_err(|_| Status::unavailable("tokenizer stream closed"))?;
+        match r.message().await {
+            Ok(Some(m)) => Ok(m.text),
+            Ok(None) => Err(Status::unavailable("tokenizer ended the detokenize stream")),
+            Err(e) => Err(Status::unavailable(format!("tokenizer: {}", e.message()))),
+        }
+    }
+
+    async fn finish(&self, tx: &Tx, reason: common::FinishReason, prompt: u32, completion: u32) -> Result<(), Status> {
+        self.metrics.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
+        self.metrics.completion_tokens.fetch_add(completion as u64, Ordering::Relaxed);
+        let fin = pb::Finished { reason: reason as i32, usage: Some(common::Usage { prompt_tokens: prompt, completion_tokens: completion }) };
+        tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(fin)) }))
+            .await
+            .map_err(|_| Status::cancelled("client went away"))
+    }
+}
+
+fn prefill_failure(e: Status) -> Status {
+    match e.code() {
+        tonic::Code::InvalidArgument => e,
+        tonic::Code::DeadlineExceeded => Status::deadline_exceeded(format!("prefill: {}", e.message())),
+        _ => Status::unavailable(format!("prefill worker failed: {}", e.message())),
+    }
+}
+
+fn decode_failure(e: Status) -> Status {
+    match e.code() {
+        tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => e,
+        _ => Status::unavailable(format!("decode worker failed: {}", e.message())),
+    }
+}
+
+pub struct Service(pub Arc<Router>);
+
+#[tonic::async_trait]
+impl pb::router_server::Router for Service {
+    type GenerateStream = DeltaStream;
+
+    async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<DeltaStream>, Status> {
+        let router = self.0.clone();
+        let deadline = pdmesh_core::grpc::request_timeout(&req).map(|t| t.min(router.timeout)).unwrap_or(router.timeout);
+        let job = match router.validate(req.into_inner()) {
+            Ok(j) => j,
+            Err(e) => {
+                router.metrics.outcomes.inc(outcome_of(e.code()));
+                return Err(e);
+            }
+        };
+        let (tx, rx) = mpsc::channel(64);
+        router.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let t0 = Instant::now();
+            let ticket = Mutex::new(job.request_id.clone());
+            let r = tokio::select! {
+                r = tokio::time::timeout(deadline, router.run(job, &tx, &ticket)) => {
+                    r.unwrap_or_else(|_| Err(Status::deadline_exceeded(format!("request did not finish within its deadline of {:.1} s", deadline.as_secs_f64()))))
+                }
+                _ = tx.closed() => Err(Status::cancelled("client went away")),
+            };
+            let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());
+            if let Err(e) = r {
+                let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                router.cancel_ticket(&id, e.message()).await;
+                let _ = tx.send(Err(e)).await;
+            }
+            router.metrics.e2e.observe(t0.elapsed().as_secs_f64());
+            router.metrics.outcomes.inc(outcome_of(code));
+            router.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
