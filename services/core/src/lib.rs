@@ -8,6 +8,7 @@ pub mod admin;
 pub mod args;
 pub mod discovery;
 pub mod grpc;
+pub mod http;
 pub mod metrics;
 pub mod peers;
 pub mod serve;

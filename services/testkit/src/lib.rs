@@ -104,11 +104,5 @@ where
 /// A plain blocking HTTP/1.1 GET (what a Consul check or curl does):
 /// status code and body. Call it from `spawn_blocking` in async tests.
 pub fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("write");
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).expect("read");
-    let code = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (code, resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    pdmesh_core::http::get(addr, path, Duration::from_secs(10)).unwrap_or_else(|e| panic!("GET http://{addr}{path}: {e}"))
 }

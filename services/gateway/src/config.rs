@@ -1,0 +1,29 @@
+//! Flags of `pdmesh-gateway` (each also an environment variable).
+
+use std::net::SocketAddr;
+
+#[derive(clap::Parser, Debug, Clone, serde::Serialize)]
+#[command(name = "pdmesh-gateway", version, about = "pdmesh gateway: OpenAI-compatible HTTP API in front of the router")]
+pub struct Config {
+    /// HTTP listen address of the OpenAI API (also serves /health).
+    #[arg(long, env = "PDMESH_GATEWAY_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Router address(es); default: found in the registry.
+    #[arg(long, env = "PDMESH_ROUTER_ADDR", value_delimiter = ',')]
+    pub router_addr: Vec<String>,
+    /// The model name clients must ask for (listed by /v1/models).
+    #[arg(long, env = "PDMESH_GATEWAY_MODEL_NAME", default_value = "smollm2-135m-instruct")]
+    pub model_name: String,
+    /// Longest a request may take, in seconds. A client's `x-request-timeout`
+    /// header (seconds) can only shorten it.
+    #[arg(long, env = "PDMESH_GATEWAY_REQUEST_TIMEOUT_S", default_value_t = 600.0)]
+    pub request_timeout_s: f64,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, env = "PDMESH_GATEWAY_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// max_tokens used when a request gives none.
+    #[arg(long, env = "PDMESH_GATEWAY_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    pub default_max_tokens: u32,
+    #[command(flatten)]
+    pub common: pdmesh_core::args::CommonArgs,
+}

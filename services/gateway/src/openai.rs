@@ -1,0 +1,196 @@
+//! The OpenAI request bodies pdmesh accepts, parsed by hand from JSON so
+//! that every mistake gets an OpenAI-style error naming the field.
+
+use pdmesh_proto::common::v1 as common;
+use pdmesh_proto::router::v1 as pb;
+use serde_json::{Map, Value};
+
+/// An error in the request (HTTP 400 unless `status` says otherwise).
+#[derive(Debug)]
+pub struct BadRequest {
+    pub status: u16,
+    pub message: String,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+fn bad(param: &'static str, message: impl Into<String>) -> BadRequest {
+    BadRequest { status: 400, message: message.into(), param: Some(param), code: None }
+}
+
+pub struct Parsed {
+    pub request: pb::GenerateRequest,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub model: String,
+}
+
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+const ROLES: &[&str] = &["system", "user", "assistant", "tool", "developer"];
+
+fn number(o: &Map<String, Value>, key: &'static str) -> Result<Option<f64>, BadRequest> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n.as_f64().map(Some).ok_or_else(|| bad(key, format!("{key} is not a finite number"))),
+        Some(_) => Err(bad(key, format!("{key} must be a number"))),
+    }
+}
+
+fn text_of(content: &Value, i: usize) -> Result<String, BadRequest> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut s = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => s.push_str(t),
+                    _ => return Err(bad("messages", format!("messages[{i}].content: only text parts are supported"))),
+                }
+            }
+            Ok(s)
+        }
+        Value::Null => Ok(String::new()),
+        _ => Err(bad("messages", format!("messages[{i}].content must be a string or an array of text parts"))),
+    }
+}
+
+/// Parse a `/v1/chat/completions` or `/v1/completions` body.
+pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32) -> Result<Parsed, BadRequest> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| BadRequest { status: 400, message: format!("request body is not valid JSON: {e}"), param: None, code: None })?;
+    let o = v.as_object().ok_or_else(|| BadRequest { status: 400, message: "request body must be a JSON object".into(), param: None, code: None })?;
+    let model = match o.get("model") {
+        Some(Value::String(m)) => m.clone(),
+        None => return Err(bad("model", "model is required")),
+        Some(_) => return Err(bad("model", "model must be a string")),
+    };
+    if model != model_name {
+        return Err(BadRequest { status: 404, message: format!("The model `{model}` does not exist; this server serves `{model_name}`"), param: Some("model"), code: Some("model_not_found") });
+    }
+    let input = match kind {
+        Kind::Chat => {
+            let msgs = match o.get("messages") {
+                Some(Value::Array(a)) => a,
+                None => return Err(bad("messages", "messages is required")),
+                Some(_) => return Err(bad("messages", "messages must be an array")),
+            };
+            if msgs.is_empty() {
+                return Err(bad("messages", "messages must not be empty"));
+            }
+            let mut out = Vec::with_capacity(msgs.len());
+            for (i, m) in msgs.iter().enumerate() {
+                let role = m.get("role").and_then(Value::as_str).ok_or_else(|| bad("messages", format!("messages[{i}].role is required")))?;
+                if !ROLES.contains(&role) {
+                    return Err(bad("messages", format!("messages[{i}].role {role:?} is not one of {}", ROLES.join(", "))));
+                }
+                let role = if role == "developer" { "system" } else { role };
+                let content = text_of(m.get("content").unwrap_or(&Value::Null), i)?;
+                out.push(pb::ChatMessage { role: role.into(), content });
+            }
+            pb::generate_request::Input::Chat(pb::ChatMessages { messages: out })
+        }
+        Kind::Completion => {
+            let p = match o.get("prompt") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+                Some(Value::Array(_)) => return Err(bad("prompt", "prompt must be one string (batches of prompts are not supported)")),
+                None => return Err(bad("prompt", "prompt is required")),
+                Some(_) => return Err(bad("prompt", "prompt must be a string")),
+            };
+            if p.is_empty() {
+                return Err(bad("prompt", "prompt must not be empty"));
+            }
+            pb::generate_request::Input::Prompt(p)
+        }
+    };
+    let key = if o.get("max_completion_tokens").is_some_and(|v| !v.is_null()) { "max_completion_tokens" } else { "max_tokens" };
+    let max_tokens = match number(o, key)? {
+        None => default_max_tokens,
+        Some(n) if n.fract() != 0.0 => return Err(bad(if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" }, format!("{key} must be an integer, got {n}"))),
+        Some(n) if n < 1.0 => return Err(bad(if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" }, format!("{key} must be at least 1, got {n}"))),
+        Some(n) if n > u32::MAX as f64 => return Err(bad(if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" }, format!("{key} is too large: {n}"))),
+        Some(n) => n as u32,
+    };
+    let temperature = number(o, "temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(bad("temperature", format!("temperature must be between 0 and 2, got {temperature}")));
+    }
+    let top_p = number(o, "top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(bad("top_p", format!("top_p must be in (0, 1], got {top_p}")));
+    }
+    let top_k = number(o, "top_k")?.unwrap_or(0.0);
+    if top_k < 0.0 || top_k.fract() != 0.0 || top_k > 1e9 {
+        return Err(bad("top_k", format!("top_k must be a non-negative integer, got {top_k}")));
+    }
+    let seed = match number(o, "seed")? {
+        None => 0,
+        Some(s) if s.fract() == 0.0 && s >= 0.0 && s <= u64::MAX as f64 => s as u64,
+        Some(s) if s.fract() == 0.0 && s < 0.0 && s >= i64::MIN as f64 => (s as i64) as u64,
+        Some(s) => return Err(bad("seed", format!("seed must be an integer, got {s}"))),
+    };
+    match number(o, "n")? {
+        None => {}
+        Some(n) if n == 1.0 => {}
+        Some(n) => return Err(bad("n", format!("only n = 1 is supported, got {n}"))),
+    }
+    let stop = match o.get("stop") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a.iter().filter_map(|s| s.as_str().map(String::from)).collect(),
+        Some(_) => return Err(bad("stop", "stop must be a string or an array of strings")),
+    };
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(bad("stop", "stop takes up to 4 non-empty strings"));
+    }
+    let stream = match o.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("stream", "stream must be a boolean")),
+    };
+    let include_usage = o.get("stream_options").and_then(|s| s.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    // Greedy for temperature 0 is exact; other settings sample with the seed.
+    let sampling = common::SamplingParams { temperature: temperature as f32, top_k: top_k as u32, top_p: top_p as f32, seed };
+    let ignore_eos = o.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
+    Ok(Parsed { request: pb::GenerateRequest { request_id: String::new(), input: Some(input), sampling: Some(sampling), max_tokens, stop, ignore_eos }, stream, include_usage, model })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<Parsed, BadRequest> {
+        parse(body.as_bytes(), Kind::Chat, "m", 16)
+    }
+
+    #[test]
+    fn good_chat_request() {
+        let p = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"temperature":0,"stream":true,"stop":"x"}"#).unwrap();
+        assert!(p.stream);
+        assert_eq!(p.request.max_tokens, 5);
+        assert_eq!(p.request.stop, vec!["x"]);
+        assert_eq!(p.request.sampling.unwrap().temperature, 0.0);
+    }
+
+    #[test]
+    fn each_mistake_names_its_field() {
+        for (body, param, status) in [
+            (r#"{"model":"m","messages":[]}"#, Some("messages"), 400),
+            (r#"{"model":"m"}"#, Some("messages"), 400),
+            (r#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#, Some("messages"), 400),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#, Some("max_tokens"), 400),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":-3}"#, Some("max_tokens"), 400),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":1e30}"#, Some("max_tokens"), 400),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#, Some("temperature"), 400),
+            (r#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#, Some("model"), 404),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#, Some("n"), 400),
+            (r#"{"model":"m","messages":"#, None, 400),
+        ] {
+            let e = chat(body).err().unwrap_or_else(|| panic!("{body} was accepted"));
+            assert_eq!((e.param, e.status), (param, status), "{body}: {}", e.message);
+        }
+    }
+}

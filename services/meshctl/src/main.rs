@@ -1,0 +1,57 @@
+//! `meshctl`: the operator's tool for a pdmesh mesh.
+//!
+//! - `meshctl up`: start tokenizer, kvbroker, prefill, decode, router and
+//!   gateway as child processes on loopback, each gated on the previous
+//!   one's health; supervise them (a child that dies is restarted alone);
+//!   Ctrl-C or SIGTERM drains and stops them all.
+//! - `meshctl status [--json]`: every instance in the registry with its
+//!   addresses, health and load.
+//! - `meshctl generate "text"`: one request through the router, streamed.
+
+mod generate;
+mod status;
+mod up;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// The registry folder `up` and `status` share unless told otherwise.
+pub fn default_registry_dir() -> PathBuf {
+    std::env::temp_dir().join("pdmesh").join("registry")
+}
+
+#[derive(Parser)]
+#[command(name = "meshctl", version, about = "Run and inspect a pdmesh mesh")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start the whole mesh on this machine and stay in the foreground.
+    Up(up::Args),
+    /// List every instance with its addresses, health and load.
+    Status(status::Args),
+    /// Send one request through the router and stream the answer.
+    Generate(generate::Args),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Up(a) => up::run(a).await,
+        Cmd::Status(a) => status::run(a).await,
+        Cmd::Generate(a) => generate::run(a).await,
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("meshctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! `meshctl status`: the registry's live instances, their health and load.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pdmesh_core::discovery::{Discovery, FileRegistry};
+use pdmesh_core::http::{get, metric};
+use serde_json::json;
+
+pub const SERVICES: [&str; 6] = ["tokenizer", "kvbroker", "prefill", "decode", "router", "gateway"];
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Registry folder of the mesh.
+    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = crate::default_registry_dir())]
+    pub registry_dir: PathBuf,
+    /// Seconds after which a registry entry without heartbeat counts as dead.
+    #[arg(long, env = "PDMESH_REGISTRY_TTL_S", default_value_t = 10)]
+    pub registry_ttl_s: u64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Load gauges worth showing, per service.
+fn load_of(service: &str, metrics: &str) -> serde_json::Value {
+    let names: &[&str] = match service {
+        "decode" => &["running", "queued", "awaiting_kv", "kv_blocks_used", "kv_blocks_total"],
+        "prefill" => &["running", "queued", "kv_blocks_used", "kv_blocks_total"],
+        "router" | "gateway" => &["in_flight"],
+        _ => &[],
+    };
+    let mut o = serde_json::Map::new();
+    for n in names {
+        if let Some(v) = metric(metrics, &format!("pdmesh_{service}_{n}")) {
+            o.insert((*n).into(), json!(v));
+        }
+    }
+    serde_json::Value::Object(o)
+}
+
+/// Every live instance with health and load, as JSON.
+pub async fn collect(dir: &std::path::Path, ttl: Duration) -> Result<Vec<serde_json::Value>, String> {
+    let reg = FileRegistry::new(dir, ttl);
+    let mut out = Vec::new();
+    for s in SERVICES {
+        for inst in reg.healthy(s).await.map_err(|e| e.to_string())? {
+            let (health, load) = match &inst.http_addr {
+                Some(h) => {
+                    let h2 = h.clone();
+                    let health = tokio::task::spawn_blocking(move || get(&h2, "/health", Duration::from_secs(2))).await.ok().and_then(Result::ok);
+                    let h3 = h.clone();
+                    let m = tokio::task::spawn_blocking(move || get(&h3, "/metrics", Duration::from_secs(2))).await.ok().and_then(Result::ok);
+                    let health = match health {
+                        Some((200, _)) => "healthy",
+                        Some(_) => "not ready",
+                        None => "unreachable",
+                    };
+                    (health, m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({})))
+                }
+                None => ("unknown", json!({})),
+            };
+            out.push(json!({ "service": s, "id": inst.id, "grpc_addr": inst.grpc_addr, "http_addr": inst.http_addr, "health": health, "load": load }));
+        }
+    }
+    Ok(out)
+}
+
+pub async fn run(a: Args) -> Result<(), String> {
+    let list = collect(&a.registry_dir, Duration::from_secs(a.registry_ttl_s.max(1))).await?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&json!({ "registry_dir": a.registry_dir, "instances": list })).unwrap_or_default());
+        return Ok(());
+    }
+    if list.is_empty() {
+        println!("no live instances in {}", a.registry_dir.display());
+        return Ok(());
+    }
+    println!("{:<10} {:<14} {:<22} {:<22} {:<12} load", "SERVICE", "ID", "ADDR", "HTTP", "HEALTH");
+    for i in &list {
+        let load = i["load"].as_object().map(|o| o.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
+        println!(
+            "{:<10} {:<14} {:<22} {:<22} {:<12} {}",
+            i["service"].as_str().unwrap_or(""),
+            i["id"].as_str().unwrap_or(""),
+            i["grpc_addr"].as_str().unwrap_or(""),
+            i["http_addr"].as_str().unwrap_or("-"),
+            i["health"].as_str().unwrap_or(""),
+            load
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! `meshctl up`: the whole mesh on this machine, supervised.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use pdmesh_core::discovery::{Discovery, FileRegistry};
+use tokio::process::{Child, Command};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where the OpenAI-compatible gateway listens.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub gateway_addr: String,
+    /// GGUF model file. Default: the cached SmolLM2 model, fetched now if missing.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Registry folder the services announce themselves in.
+    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = crate::default_registry_dir())]
+    pub registry_dir: PathBuf,
+    /// Folder for the services' logs (default: `logs` beside the registry folder).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// Folder holding the service binaries (default: meshctl's own folder).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+    /// Seconds each service may take to become healthy.
+    #[arg(long, default_value_t = 300)]
+    pub ready_timeout_s: u64,
+    /// Kernel threads of each prefill and decode worker (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// KV blocks of the decode worker (each holds 16 positions of all layers).
+    #[arg(long, default_value_t = 2048)]
+    pub decode_kv_blocks: usize,
+    /// Most sequences in one decode step.
+    #[arg(long, default_value_t = 32)]
+    pub decode_max_batch: usize,
+    /// KV blocks of the prefill worker.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_kv_blocks: usize,
+    /// Do not restart a service that exits on its own.
+    #[arg(long)]
+    pub no_restart: bool,
+}
+
+struct Svc {
+    name: &'static str,
+    bin: PathBuf,
+    args: Vec<String>,
+    http: String,
+    log: PathBuf,
+    child: Option<Child>,
+    restarts: u32,
+}
+
+fn free_addr() -> Result<String, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
+    Ok(l.local_addr().map_err(|e| e.to_string())?.to_string())
+}
+
+fn log_tail(p: &Path) -> String {
+    let s = std::fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+impl Svc {
+    fn spawn(&mut self) -> Result<(), String> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(|e| format!("{}: {e}", self.log.display()))?;
+        let err = log.try_clone().map_err(|e| e.to_string())?;
+        let child = Command::new(&self.bin)
+            .args(&self.args)
+            .stdout(log)
+            .stderr(err)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", self.bin.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Wait for /health 200; an exit or the timeout is an error with the log's tail.
+    async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    return Err(format!("{} exited ({st}) before becoming healthy; last lines of {}:\n{}", self.name, self.log.display(), log_tail(&self.log)));
+                }
+            }
+            let h = self.http.clone();
+            let ok = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/health", Duration::from_secs(2))).await.ok().and_then(Result::ok);
+            if matches!(ok, Some((200, _))) {
+                return Ok(());
+            }
+            if t0.elapsed() > timeout {
+                return Err(format!("{} not healthy after {} s; last lines of {}:\n{}", self.name, timeout.as_secs(), self.log.display(), log_tail(&self.log)));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    async fn stop(&mut self, grace: Duration) {
+        let Some(mut c) = self.child.take() else { return };
+        if let Some(pid) = c.id() {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGTERM);
+            }
+        }
+        if tokio::time::timeout(grace, c.wait()).await.is_err() {
+            let _ = c.kill().await;
+        }
+    }
+}
+
+pub async fn run(a: Args) -> Result<(), String> {
+    let bin_dir = match &a.bin_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe().map_err(|e| e.to_string())?.parent().map(Path::to_path_buf).ok_or("no folder for meshctl")?,
+    };
+    let reg = FileRegistry::new(&a.registry_dir, Duration::from_secs(10));
+    if let Some(g) = reg.healthy("gateway").await.map_err(|e| e.to_string())?.first() {
+        return Err(format!("a mesh is already running with registry {} (gateway at {}); stop it or give another --registry-dir", a.registry_dir.display(), g.grpc_addr));
+    }
+    std::fs::create_dir_all(&a.registry_dir).map_err(|e| format!("{}: {e}", a.registry_dir.display()))?;
+    let log_dir = a.log_dir.clone().unwrap_or_else(|| a.registry_dir.parent().unwrap_or(Path::new(".")).join("logs"));
+    std::fs::create_dir_all(&log_dir).map_err(|e| format!("{}: {e}", log_dir.display()))?;
+    let model = match &a.model {
+        Some(m) => m.clone(),
+        None => {
+            eprintln!("meshctl: making sure the model is in the cache (first run downloads it)");
+            tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model).await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?
+        }
+    };
+    let model = model.display().to_string();
+    let reg_dir = a.registry_dir.display().to_string();
+    let mut svcs = Vec::new();
+    for name in crate::status::SERVICES {
+        let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
+        let http = free_addr()?;
+        let mut args = vec!["--listen".into(), listen, "--http-listen".into(), http.clone(), "--registry-dir".into(), reg_dir.clone(), "--instance-id".into(), format!("{name}-0")];
+        match name {
+            "tokenizer" => args.extend(["--model".into(), model.clone()]),
+            "prefill" | "decode" => {
+                let (blocks, batch) = if name == "decode" { (a.decode_kv_blocks, a.decode_max_batch) } else { (a.prefill_kv_blocks, 32) };
+                args.extend([
+                    "--model".into(),
+                    model.clone(),
+                    "--threads".into(),
+                    a.threads.to_string(),
+                    "--kv-blocks".into(),
+                    blocks.to_string(),
+                    "--max-batch".into(),
+                    batch.to_string(),
+                ]);
+            }
+            _ => {}
+        }
+        svcs.push(Svc { name, bin: bin_dir.join(format!("pdmesh-{name}")), args, http, log: log_dir.join(format!("{name}.log")), child: None, restarts: 0 });
+    }
+    let timeout = Duration::from_secs(a.ready_timeout_s);
+    let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());
+    // Start in order, each gated on the previous one's health.
+    for i in 0..svcs.len() {
+        svcs[i].spawn()?;
+        let r = tokio::select! {
+            r = svcs[i].wait_healthy(timeout) => r,
+            _ = &mut stop => Err("interrupted".into()),
+        };
+        if let Err(e) = r {
+            for s in svcs.iter_mut().rev() {
+                s.stop(Duration::from_secs(5)).await;
+            }
+            return Err(e);
+        }
+        eprintln!("meshctl: {:<9} healthy (http {}, log {})", svcs[i].name, svcs[i].http, svcs[i].log.display());
+    }
+    println!("pdmesh is up: http://{}/v1 (registry {}); Ctrl-C stops it", a.gateway_addr, a.registry_dir.display());
+    // Supervise until a signal.
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+        for s in svcs.iter_mut() {
+            let exited = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            if let Some(st) = exited {
+                s.child = None;
+                if a.no_restart {
+                    eprintln!("meshctl: {} exited ({st}); not restarting (--no-restart)", s.name);
+                    continue;
+                }
+                s.restarts += 1;
+                eprintln!("meshctl: {} exited ({st}); restarting it alone (restart {})", s.name, s.restarts);
+                if let Err(e) = s.spawn() {
+                    eprintln!("meshctl: {e}");
+                }
+            }
+        }
+    }
+    eprintln!("meshctl: stopping (gateway first)");
+    for s in svcs.iter_mut().rev() {
+        s.stop(Duration::from_secs(10)).await;
+    }
+    Ok(())
+}
