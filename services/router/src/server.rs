@@ -247,7 +247,8 @@ impl Router {
                     drop(prefill_task);
                     self.cancel_ticket(&ticket_id, "decode refused the request").await;
                     let retryable = matches!(e.code(), tonic::Code::ResourceExhausted | tonic::Code::Unavailable);
-                    if !retryable || attempt >= self.retries {
+                    let other = self.decode.instances().iter().any(|i| i.grpc_addr != d.grpc_addr && !tried_d.contains(&i.grpc_addr));
+                    if !retryable || !other || attempt >= self.retries {
                         return Err(match e.code() {
                             tonic::Code::Unavailable => Status::unavailable(format!("decode worker {}: {}", d.id, e.message())),
                             _ => e,

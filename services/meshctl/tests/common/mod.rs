@@ -1,0 +1,196 @@
+//! A real mesh for tests: `meshctl up` as a child process (six service
+//! processes on loopback, a temporary registry), plus plain HTTP and gRPC
+//! helpers to talk to it.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pdmesh_core::discovery::{Discovery, FileRegistry, Instance};
+use pdmesh_proto::common::v1 as common;
+use pdmesh_proto::router::v1 as pb;
+
+pub struct Mesh {
+    pub dir: PathBuf,
+    pub gateway: String,
+    child: Child,
+}
+
+fn free_addr() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string()
+}
+
+impl Mesh {
+    /// Start the mesh with extra `meshctl up` flags; waits until it says it is up.
+    pub fn up(extra: &[&str]) -> Mesh {
+        let dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), rand_suffix()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let gateway = free_addr();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_meshctl"))
+            .args(["up", "--gateway-addr", &gateway, "--registry-dir"])
+            .arg(dir.join("registry"))
+            .args(["--ready-timeout-s", "300"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start meshctl");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                eprintln!("meshctl> {line}");
+                let _ = tx.send(line);
+            }
+        });
+        let t0 = Instant::now();
+        loop {
+            match rx.recv_timeout(Duration::from_secs(1)) {
+                Ok(l) if l.starts_with("pdmesh is up") => break,
+                _ => {}
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!("meshctl up exited early: {st}");
+            }
+            assert!(t0.elapsed() < Duration::from_secs(400), "mesh did not come up");
+        }
+        Mesh { dir, gateway, child }
+    }
+
+    pub fn registry(&self) -> FileRegistry {
+        FileRegistry::new(self.dir.join("registry"), Duration::from_secs(10))
+    }
+
+    pub async fn instance(&self, service: &str) -> Instance {
+        let l = self.registry().healthy(service).await.unwrap();
+        l.into_iter().next().unwrap_or_else(|| panic!("no live {service}"))
+    }
+
+    pub async fn router(&self) -> pb::router_client::RouterClient<tonic::transport::Channel> {
+        let r = self.instance("router").await;
+        let ch = tonic::transport::Channel::from_shared(format!("http://{}", r.grpc_addr)).unwrap().connect().await.unwrap();
+        pb::router_client::RouterClient::new(ch)
+    }
+
+    /// The /metrics text of a service's (first) instance.
+    pub async fn metrics(&self, service: &str) -> String {
+        let i = self.instance(service).await;
+        pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/metrics").1
+    }
+
+    pub async fn gauge(&self, service: &str, name: &str) -> f64 {
+        let t = self.metrics(service).await;
+        pdmesh_core::http::metric(&t, name).unwrap_or_else(|| panic!("{name} missing from {service} metrics:\n{t}"))
+    }
+
+    /// POST JSON to the gateway: (status, body with chunked encoding undone).
+    pub fn post(&self, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, String) {
+        post(&self.gateway, path, body, headers)
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child; SIGTERM makes meshctl stop the mesh.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(30) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                let _ = std::fs::remove_dir_all(&self.dir);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+    }
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() as u64
+}
+
+pub fn post(addr: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut h = String::new();
+    for (k, v) in headers {
+        h.push_str(&format!("{k}: {v}\r\n"));
+    }
+    write!(s, "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{h}Connection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    parse_response(&raw)
+}
+
+pub fn parse_response(raw: &[u8]) -> (u16, String) {
+    let text = String::from_utf8_lossy(raw).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.to_string() };
+    (code, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+pub fn golden() -> Vec<serde_json::Value> {
+    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../engine/tests/data/smollm2.golden.json");
+    serde_json::from_str(&std::fs::read_to_string(p).expect("golden file")).unwrap()
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// What one router request produced.
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub finished: Option<pb::Finished>,
+}
+
+pub fn chat_request(user: &str, max_tokens: u32, ignore_eos: bool) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: String::new(),
+        input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: vec![pb::ChatMessage { role: "user".into(), content: user.into() }] })),
+        sampling: Some(common::SamplingParams::default()),
+        max_tokens,
+        stop: vec![],
+        ignore_eos,
+    }
+}
+
+pub async fn run(client: &mut pb::router_client::RouterClient<tonic::transport::Channel>, req: pb::GenerateRequest) -> Result<Outcome, tonic::Status> {
+    let mut s = client.generate(req).await?.into_inner();
+    let mut o = Outcome::default();
+    while let Some(m) = s.message().await? {
+        match m.event {
+            Some(pb::generate_response::Event::Delta(d)) => {
+                o.ids.extend(d.ids);
+                o.text.push_str(&d.text);
+            }
+            Some(pb::generate_response::Event::Finished(f)) => o.finished = Some(f),
+            None => {}
+        }
+    }
+    Ok(o)
+}
+
