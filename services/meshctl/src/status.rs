@@ -33,7 +33,7 @@ fn load_of(service: &str, metrics: &str) -> serde_json::Value {
     let mut o = serde_json::Map::new();
     for n in names {
         if let Some(v) = metric(metrics, &format!("pdmesh_{service}_{n}")) {
-            o.insert((*n).into(), json!(v));
+            o.insert((*n).into(), if v.fract() == 0.0 { json!(v as i64) } else { json!(v) });
         }
     }
     serde_json::Value::Object(o)
