@@ -7,7 +7,9 @@
 //! - `meshctl status [--json]`: every instance in the registry with its
 //!   addresses, health and load.
 //! - `meshctl generate "text"`: one request through the router, streamed.
+//! - `meshctl bench`: the mesh against the engine alone, same workload.
 
+mod bench;
 mod generate;
 mod status;
 mod up;
@@ -37,6 +39,8 @@ enum Cmd {
     Status(status::Args),
     /// Send one request through the router and stream the answer.
     Generate(generate::Args),
+    /// TTFT and output tokens/s through the mesh and through the engine alone, same workload.
+    Bench(bench::Args),
 }
 
 #[tokio::main]
@@ -46,6 +50,7 @@ async fn main() -> ExitCode {
         Cmd::Up(a) => up::run(a).await,
         Cmd::Status(a) => status::run(a).await,
         Cmd::Generate(a) => generate::run(a).await,
+        Cmd::Bench(a) => bench::run(a).await,
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
