@@ -22,6 +22,18 @@ fn prompts(tok: &pdmesh_engine::Tokenizer) -> Vec<Vec<u32>> {
     p
 }
 
+/// Decode a sequence until it finishes; its tokens, starting with `first`.
+fn decode_to_end(engine: &mut pdmesh_engine::Engine, sid: pdmesh_engine::SeqId, first: u32) -> Vec<u32> {
+    let mut got = vec![first];
+    loop {
+        let ev = engine.decode(&[sid]).unwrap().remove(0);
+        got.push(ev.token);
+        if ev.finish.is_some() {
+            return got;
+        }
+    }
+}
+
 fn run_alone(f: &mut common::Fixture, p: &[u32], n: usize) -> Vec<u32> {
     f.engine.generate_all(&[p.to_vec()], &greedy(n), 1).unwrap().remove(0)
 }
@@ -66,15 +78,7 @@ fn kv_export_import_into_another_engine_continues_identically() {
     let mut tokens = prompt.clone();
     tokens.push(first.token);
     let sid = other.engine.import_sequence(prompt.len(), tokens, greedy(16), &blob).unwrap();
-    let mut got = vec![first.token];
-    loop {
-        let ev = other.engine.decode(&[sid]).unwrap().remove(0);
-        got.push(ev.token);
-        if ev.finish.is_some() {
-            break;
-        }
-    }
-    assert_eq!(got, reference);
+    assert_eq!(decode_to_end(&mut other.engine, sid, first.token), reference);
 
     // The decode service's order: reserve first, then the bytes, then the
     // first token.
@@ -85,15 +89,7 @@ fn kv_export_import_into_another_engine_continues_identically() {
     let ev = other.engine.attach_first_token(sid, first.token).unwrap();
     assert!(ev.finish.is_none());
     assert!(other.engine.attach_first_token(sid, first.token).is_err(), "a second first token is refused");
-    let mut got = vec![first.token];
-    loop {
-        let ev = other.engine.decode(&[sid]).unwrap().remove(0);
-        got.push(ev.token);
-        if ev.finish.is_some() {
-            break;
-        }
-    }
-    assert_eq!(got, reference);
+    assert_eq!(decode_to_end(&mut other.engine, sid, first.token), reference);
 }
 
 #[test]

@@ -9,13 +9,10 @@ pub mod server;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
-use pdmesh_core::admin::AdminState;
 use pdmesh_core::metrics::Text;
 use pdmesh_core::peers::Peers;
-use pdmesh_core::serve::Admin;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use pdmesh_proto::prefill::v1 as pb;
 use pdmesh_worker::ServeError;
@@ -42,16 +39,7 @@ fn render(st: &Stats) -> String {
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.
 pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
-    let stats_slot: Arc<std::sync::OnceLock<Arc<Stats>>> = Arc::default();
-    let s2 = stats_slot.clone();
-    let admin = AdminState::new(
-        "prefill",
-        serde_json::json!({ "config": config, "transport": "tcp" }),
-        Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()),
-    );
-    let admin = Admin::start(&config.common, admin).await?;
-    let engine_args = config.engine.clone();
-    let engine = tokio::task::spawn_blocking(move || engine_args.load()).await.map_err(|e| ServeError::Setup(e.to_string()))??;
+    let (admin, engine, stats_slot) = pdmesh_worker::boot("prefill", serde_json::to_value(&config).unwrap_or_default(), &config.common, &config.engine, render).await?;
     let layout = engine.kv.layout;
     let batcher = Batcher::start(engine, config.engine.max_batch, config.batch_tokens);
     let _ = stats_slot.set(batcher.stats.clone());

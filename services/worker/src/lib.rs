@@ -191,3 +191,27 @@ pub async fn serve_worker(
     result?;
     Ok(())
 }
+
+/// The slot a worker's stats land in once its engine is loaded; /metrics
+/// renders from it (empty before).
+pub type StatsSlot<T> = std::sync::Arc<std::sync::OnceLock<std::sync::Arc<T>>>;
+
+/// A worker's start: admin endpoints up (not ready), then the engine
+/// loaded off the async threads. `render` draws /metrics from the stats
+/// put in the returned slot.
+pub async fn boot<T: Send + Sync + 'static>(
+    service: &'static str,
+    config: serde_json::Value,
+    common: &pdmesh_core::args::CommonArgs,
+    engine: &EngineArgs,
+    render: fn(&T) -> String,
+) -> Result<(pdmesh_core::serve::Admin, Engine, StatsSlot<T>), ServeError> {
+    let slot: StatsSlot<T> = Default::default();
+    let s2 = slot.clone();
+    let statusz = serde_json::json!({ "config": config, "transport": "tcp", "engine": engine.options() });
+    let admin = pdmesh_core::admin::AdminState::new(service, statusz, std::sync::Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()));
+    let admin = pdmesh_core::serve::Admin::start(common, admin).await?;
+    let args = engine.clone();
+    let engine = tokio::task::spawn_blocking(move || args.load()).await.map_err(|e| ServeError::Setup(e.to_string()))??;
+    Ok((admin, engine, slot))
+}
