@@ -12,8 +12,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-/// How many spin iterations a worker waits for the next loop before parking.
+/// How many spin iterations a worker waits for the next loop before parking
+/// (about 3 ms; `PDMESH_POOL_SPIN_ITERS` overrides it — lower it when
+/// several engine processes share few cores, so idle spinning does not take
+/// time from the others).
 const SPIN_ITERS: u32 = 1 << 16;
+
+fn spin_iters() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("PDMESH_POOL_SPIN_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(SPIN_ITERS))
+}
 
 type Job<'a> = &'a (dyn Fn(usize) + Sync);
 
@@ -134,6 +142,7 @@ fn worker_loop(s: &Shared) {
     let mut seen = 0u64;
     loop {
         // Wait for a new epoch: spin first, then park.
+        let spin = spin_iters();
         let mut spins = 0u32;
         loop {
             if s.shutdown.load(Ordering::Acquire) {
@@ -144,7 +153,7 @@ fn worker_loop(s: &Shared) {
                 seen = e;
                 break;
             }
-            if spins < SPIN_ITERS {
+            if spins < spin {
                 spins += 1;
                 std::hint::spin_loop();
             } else {

@@ -36,6 +36,12 @@ impl AdminState {
         let statusz = serde_json::json!({
             "service": format!("pdmesh-{service}"),
             "version": env!("CARGO_PKG_VERSION"),
+            "build": {
+                "version": env!("CARGO_PKG_VERSION"),
+                "profile": if cfg!(debug_assertions) { "debug" } else { "release" },
+                "arch": std::env::consts::ARCH,
+                "os": std::env::consts::OS,
+            },
             "pid": std::process::id(),
             "start_time_unix": started,
             "config": config,

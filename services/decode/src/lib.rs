@@ -53,6 +53,6 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         ..Default::default()
     };
     let svc = server::Service { batcher, broker: broker.clone(), worker_id, layout, lease_ms: config.lease_ms, pending: Default::default() };
-    let routes = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc));
+    let routes = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc).max_decoding_message_size(64 << 20));
     pdmesh_worker::serve_worker("decode", "pdmesh.decode.v1.Decode", routes, &config.common, admin, listener, shutdown, agent, broker).await
 }

@@ -71,21 +71,12 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         }
     });
     let broker = server::Broker { tickets, agents: Mutex::new(Default::default()), max_lease_ms: config.max_lease_ms };
-    let (health, health_svc) = tonic_health::server::health_reporter();
-    health.set_serving::<pb::kv_broker_server::KvBrokerServer<server::Broker>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
-        .with_service_name("pdmesh.kvbroker.v1.KvBroker")
-        .build_v1()
-        .map_err(|e| Error::Reflection(e.to_string()))?;
+    let routes = tonic::service::Routes::new(pb::kv_broker_server::KvBrokerServer::new(broker));
+    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, "pdmesh.kvbroker.v1.KvBroker").await.map_err(Error::Reflection)?;
+    health.set(true).await;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
     let announced = admin.announce("kvbroker", &config.common, grpc_addr).await?;
-    let result = tonic::transport::Server::builder()
-        .add_service(health_svc)
-        .add_service(reflection)
-        .add_service(pb::kv_broker_server::KvBrokerServer::new(broker))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
-        .await;
+    let result = pdmesh_core::grpc::serve_routes(routes, listener, shutdown).await;
     admin.shut_down(announced)?;
     let _ = stop_tx.send(true);
     result?;

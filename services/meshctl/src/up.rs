@@ -38,13 +38,19 @@ pub struct Args {
     /// KV blocks of the prefill worker.
     #[arg(long, default_value_t = 512)]
     pub prefill_kv_blocks: usize,
+    /// Prefill workers to run.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_replicas: usize,
+    /// Decode workers to run.
+    #[arg(long, default_value_t = 1)]
+    pub decode_replicas: usize,
     /// Do not restart a service that exits on its own.
     #[arg(long)]
     pub no_restart: bool,
 }
 
 struct Svc {
-    name: &'static str,
+    name: String,
     bin: PathBuf,
     args: Vec<String>,
     http: String,
@@ -139,27 +145,38 @@ pub async fn run(a: Args) -> Result<(), String> {
     let reg_dir = a.registry_dir.display().to_string();
     let mut svcs = Vec::new();
     for name in crate::status::SERVICES {
-        let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
-        let http = free_addr()?;
-        let mut args = vec!["--listen".into(), listen, "--http-listen".into(), http.clone(), "--registry-dir".into(), reg_dir.clone(), "--instance-id".into(), format!("{name}-0")];
-        match name {
-            "tokenizer" => args.extend(["--model".into(), model.clone()]),
-            "prefill" | "decode" => {
-                let (blocks, batch) = if name == "decode" { (a.decode_kv_blocks, a.decode_max_batch) } else { (a.prefill_kv_blocks, 32) };
-                args.extend([
-                    "--model".into(),
-                    model.clone(),
-                    "--threads".into(),
-                    a.threads.to_string(),
-                    "--kv-blocks".into(),
-                    blocks.to_string(),
-                    "--max-batch".into(),
-                    batch.to_string(),
-                ]);
-            }
-            _ => {}
+        let replicas = match name {
+            "prefill" => a.prefill_replicas,
+            "decode" => a.decode_replicas,
+            _ => 1,
+        };
+        if replicas == 0 || replicas > 64 {
+            return Err(format!("--{name}-replicas must be 1..=64"));
         }
-        svcs.push(Svc { name, bin: bin_dir.join(format!("pdmesh-{name}")), args, http, log: log_dir.join(format!("{name}.log")), child: None, restarts: 0 });
+        for r in 0..replicas {
+            let id = format!("{name}-{r}");
+            let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
+            let http = free_addr()?;
+            let mut args = vec!["--listen".into(), listen, "--http-listen".into(), http.clone(), "--registry-dir".into(), reg_dir.clone(), "--instance-id".into(), id.clone()];
+            match name {
+                "tokenizer" => args.extend(["--model".into(), model.clone()]),
+                "prefill" | "decode" => {
+                    let (blocks, batch) = if name == "decode" { (a.decode_kv_blocks, a.decode_max_batch) } else { (a.prefill_kv_blocks, 32) };
+                    args.extend([
+                        "--model".into(),
+                        model.clone(),
+                        "--threads".into(),
+                        a.threads.to_string(),
+                        "--kv-blocks".into(),
+                        blocks.to_string(),
+                        "--max-batch".into(),
+                        batch.to_string(),
+                    ]);
+                }
+                _ => {}
+            }
+            svcs.push(Svc { name: id.clone(), bin: bin_dir.join(format!("pdmesh-{name}")), args, http, log: log_dir.join(format!("{id}.log")), child: None, restarts: 0 });
+        }
     }
     let timeout = Duration::from_secs(a.ready_timeout_s);
     let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{chat_request, golden, ids, run, Mesh};
+use common::{chat_body, chat_request, golden, ids, run, start_stream, Mesh};
 use pdmesh_core::discovery::Discovery;
 use pdmesh_testkit::eventually_async;
 
@@ -24,9 +24,6 @@ async fn assert_nothing_held(mesh: &Mesh) {
     assert!(ok, "blocks still held:\n{}\n{}", mesh.metrics("decode").await, mesh.metrics("prefill").await);
 }
 
-fn chat_body(content: &str, extra: &str) -> String {
-    format!(r#"{{"model":"smollm2-135m-instruct","messages":[{{"role":"user","content":{}}}]{extra}}}"#, serde_json::Value::String(content.into()))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mesh_end_to_end() {
@@ -102,20 +99,7 @@ async fn mesh_end_to_end() {
     // the next one get 429 at once; a client disconnect frees the blocks
     // (seen in /metrics) and requests succeed again.
     let gw = mesh.gateway.clone();
-    let hog = std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        let body = chat_body("Count slowly to a million", r#","max_tokens":3000,"ignore_eos":true,"stream":true"#);
-        let mut s = std::net::TcpStream::connect(&gw).unwrap();
-        write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-        let mut buf = [0u8; 4096];
-        let mut got = String::new();
-        while !got.contains("\"content\"") || got.matches("data:").count() < 4 {
-            let n = s.read(&mut buf).unwrap();
-            assert!(n > 0, "stream ended early: {got}");
-            got.push_str(&String::from_utf8_lossy(&buf[..n]));
-        }
-        s // keep the connection open until the caller drops it
-    });
+    let hog = std::thread::spawn(move || start_stream(&gw, &chat_body("Count slowly to a million", r#","max_tokens":3000,"ignore_eos":true,"stream":true"#), 4));
     assert!(
         eventually_async(Duration::from_secs(60), || async { mesh.gauge("decode", "pdmesh_decode_running").await == 1.0 }).await,
         "the long request never started"

@@ -39,6 +39,9 @@ fn render(st: &Stats) -> String {
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.
 pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
+    if config.chunk_bytes == 0 || config.chunk_bytes > 32 << 20 {
+        return Err(ServeError::Setup(format!("--chunk-bytes must be 1..=33554432, got {}", config.chunk_bytes)));
+    }
     let (admin, engine, stats_slot) = pdmesh_worker::boot("prefill", serde_json::to_value(&config).unwrap_or_default(), &config.common, &config.engine, render).await?;
     let layout = engine.kv.layout;
     let batcher = Batcher::start(engine, config.engine.max_batch, config.batch_tokens);

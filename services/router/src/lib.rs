@@ -64,9 +64,11 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         max_stop: config.max_stop,
         metrics,
         load: Default::default(),
+        polled: Default::default(),
         info: Default::default(),
         next_id: Default::default(),
     });
+    let _poller = server::AbortOnDrop(tokio::spawn(server::poll_loads(router.clone(), Duration::from_millis(250))));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
     let (routes, health) = pdmesh_core::grpc::standard_routes(routes, "pdmesh.router.v1.Router").await.map_err(Error::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| Error::Setup(e.to_string()))?;

@@ -48,10 +48,49 @@ pub struct Router {
     pub retries: u32,
     pub max_stop: usize,
     pub metrics: Arc<Metrics>,
-    /// Requests in flight per worker address (the routing load signal).
+    /// Requests in flight from this router, per worker address.
     pub load: Arc<Mutex<HashMap<String, u32>>>,
+    /// Each worker's own load as last polled (all routers' requests).
+    pub polled: Arc<Mutex<HashMap<String, Polled>>>,
     pub info: tokio::sync::OnceCell<tpb::InfoResponse>,
     pub next_id: AtomicU64,
+}
+
+/// A worker's load from its Load RPC.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Polled {
+    /// Running plus queued (plus, for decode, waiting for KV).
+    pub busy: u32,
+    pub kv_free: u32,
+}
+
+/// Poll every prefill and decode worker's Load every `every`, forever.
+pub async fn poll_loads(r: Arc<Router>, every: Duration) {
+    loop {
+        let mut fresh = HashMap::new();
+        for inst in r.decode.instances() {
+            if let Ok(ch) = r.decode.channel(&inst) {
+                let mut req = Request::new(dpb::LoadRequest {});
+                req.set_timeout(Duration::from_secs(1));
+                if let Ok(l) = dpb::decode_client::DecodeClient::new(ch).load(req).await {
+                    let l = l.into_inner();
+                    fresh.insert(inst.grpc_addr.clone(), Polled { busy: l.running + l.queued, kv_free: l.kv_blocks_total.saturating_sub(l.kv_blocks_used) });
+                }
+            }
+        }
+        for inst in r.prefill.instances() {
+            if let Ok(ch) = r.prefill.channel(&inst) {
+                let mut req = Request::new(ppb::LoadRequest {});
+                req.set_timeout(Duration::from_secs(1));
+                if let Ok(l) = ppb::prefill_client::PrefillClient::new(ch).load(req).await {
+                    let l = l.into_inner();
+                    fresh.insert(inst.grpc_addr.clone(), Polled { busy: l.running + l.queued, kv_free: l.kv_blocks_total.saturating_sub(l.kv_blocks_used) });
+                }
+            }
+        }
+        *r.polled.lock().unwrap_or_else(|e| e.into_inner()) = fresh;
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// Counts a request against a worker while alive.
@@ -69,7 +108,7 @@ impl Drop for Busy {
 }
 
 /// Aborts a spawned task when dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+pub struct AbortOnDrop<T>(pub tokio::task::JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
@@ -157,16 +196,24 @@ impl Router {
         Ok(r.into_inner().ids)
     }
 
-    /// The least busy live instance of `peers` not in `tried`.
+    /// The least busy live instance of `peers` not in `tried`: busy is the
+    /// larger of this router's in-flight count and the worker's own polled
+    /// running + queued (which includes other routers' requests); ties go to
+    /// the one with more free KV blocks, then rotate.
     async fn pick(&self, peers: &Peers, tried: &[String]) -> Result<(Instance, Channel, Busy), Status> {
         let list = peers.wait_any(PEER_WAIT).await.ok_or_else(|| Status::unavailable(format!("no live {} worker", peers.service())))?;
+        let polled = self.polled.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
         let rot = self.next_id.load(Ordering::Relaxed) as usize;
         let n = list.len();
         let best = (0..n)
             .map(|i| &list[(i + rot) % n])
             .filter(|inst| !tried.contains(&inst.grpc_addr))
-            .min_by_key(|inst| load.get(&inst.grpc_addr).copied().unwrap_or(0))
+            .min_by_key(|inst| {
+                let local = load.get(&inst.grpc_addr).copied().unwrap_or(0);
+                let p = polled.get(&inst.grpc_addr).copied().unwrap_or_default();
+                (local.max(p.busy), std::cmp::Reverse(p.kv_free))
+            })
             .cloned()
             .ok_or_else(|| Status::unavailable(format!("every {} worker refused or failed", peers.service())))?;
         *load.entry(best.grpc_addr.clone()).or_default() += 1;

@@ -33,8 +33,6 @@ use crate::error::Error;
 /// loaded; the instance is announced in the registry (if configured) while
 /// it serves and withdrawn when it stops.
 pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
-    let (health, health_svc) = tonic_health::server::health_reporter();
-    health.set_not_serving::<pb::tokenizer_server::TokenizerServer<server::Service>>().await;
     let metrics = Arc::new(metrics::Metrics::default());
     let m2 = metrics.clone();
     let admin = AdminState::new("tokenizer", serde_json::to_value(&config).unwrap_or_default(), Arc::new(move || m2.render()));
@@ -59,20 +57,12 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     .await
     .expect("load task")?;
     let svc = server::Service { tok: Arc::new(tok), info, max_input_bytes: config.max_input_bytes, metrics };
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
-        .with_service_name("pdmesh.tokenizer.v1.Tokenizer")
-        .build_v1()
-        .map_err(|e| Error::Reflection(e.to_string()))?;
-    health.set_serving::<pb::tokenizer_server::TokenizerServer<server::Service>>().await;
+    let routes = tonic::service::Routes::new(pb::tokenizer_server::TokenizerServer::new(svc));
+    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, "pdmesh.tokenizer.v1.Tokenizer").await.map_err(Error::Reflection)?;
+    health.set(true).await;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
     let announced = admin.announce("tokenizer", &config.common, grpc_addr).await?;
-    let result = tonic::transport::Server::builder()
-        .add_service(health_svc)
-        .add_service(reflection)
-        .add_service(pb::tokenizer_server::TokenizerServer::new(svc))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
-        .await;
+    let result = pdmesh_core::grpc::serve_routes(routes, listener, shutdown).await;
     admin.shut_down(announced)?;
     result?;
     Ok(())

@@ -194,3 +194,37 @@ pub async fn run(client: &mut pb::router_client::RouterClient<tonic::transport::
     Ok(o)
 }
 
+
+impl Mesh {
+    /// /metrics of every live instance of `service`, by instance id.
+    pub async fn metrics_all(&self, service: &str) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for i in self.registry().healthy(service).await.unwrap() {
+            let (_, body) = pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/metrics");
+            out.push((i.id, body));
+        }
+        out
+    }
+}
+
+/// Start a streamed chat request over plain TCP and return once `n` SSE
+/// events arrived; the request lives until the returned stream is dropped
+/// (dropping it is a client disconnect).
+pub fn start_stream(gateway: &str, body: &str, n: usize) -> TcpStream {
+    let mut s = TcpStream::connect(gateway).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = [0u8; 4096];
+    let mut got = String::new();
+    while got.matches("data:").count() < n {
+        let k = s.read(&mut buf).unwrap();
+        assert!(k > 0, "stream ended early: {got}");
+        got.push_str(&String::from_utf8_lossy(&buf[..k]));
+    }
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    s
+}
+
+pub fn chat_body(content: &str, extra: &str) -> String {
+    format!(r#"{{"model":"smollm2-135m-instruct","messages":[{{"role":"user","content":{}}}]{extra}}}"#, serde_json::Value::String(content.into()))
+}
