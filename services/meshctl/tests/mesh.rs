@@ -19,9 +19,11 @@ async fn assert_nothing_held(mesh: &Mesh) {
             && mesh.gauge("decode", "pdmesh_decode_awaiting_kv").await == 0.0
             && mesh.gauge("decode", "pdmesh_decode_running").await == 0.0
             && mesh.gauge("prefill", "pdmesh_prefill_kv_blocks_used").await == 0.0
+            && mesh.gauge("kvbroker", "pdmesh_kvbroker_tickets{state=\"open\"}").await == 0.0
+            && mesh.gauge("kvbroker", "pdmesh_kvbroker_tickets{state=\"claimed\"}").await == 0.0
     })
     .await;
-    assert!(ok, "blocks still held:\n{}\n{}", mesh.metrics("decode").await, mesh.metrics("prefill").await);
+    assert!(ok, "blocks or tickets still held:\n{}\n{}\n{}", mesh.metrics("decode").await, mesh.metrics("prefill").await, mesh.metrics("kvbroker").await);
 }
 
 
