@@ -38,21 +38,45 @@ fn render(st: &Stats) -> String {
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.
 pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
-    let (admin, engine, stats_slot) = pdmesh_worker::boot("decode", serde_json::to_value(&config).unwrap_or_default(), &config.common, &config.engine, render).await?;
+    let nixl_lib = pdmesh_worker::transport::choose(&config.transport).map_err(ServeError::Setup)?;
+    let transport = if nixl_lib.is_some() { "nixl" } else { "tcp" };
+    let (admin, engine, stats_slot) = pdmesh_worker::boot("decode", serde_json::to_value(&config).unwrap_or_default(), &config.common, &config.engine, transport, render).await?;
     let layout = engine.kv.layout;
+    let worker_id = config.common.instance_id.clone().unwrap_or_else(|| format!("decode-{}", std::process::id()));
+    let nixl = match nixl_lib {
+        Some(_) => {
+            let (addr, len) = engine.kv.arena();
+            Some(std::sync::Arc::new(pdmesh_worker::transport::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?))
+        }
+        None => None,
+    };
     let batcher = Batcher::start(engine, config.engine.max_batch);
     let _ = stats_slot.set(batcher.stats.clone());
     let broker = Peers::resolve(&config.common, "kvbroker", &config.kvbroker_addr).map_err(ServeError::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;
-    let worker_id = config.common.instance_id.clone().unwrap_or_else(|| format!("decode-{}", std::process::id()));
-    let agent = kpb::Agent {
+    let mut agent = kpb::Agent {
         worker_id: worker_id.clone(),
         transport: kpb::Transport::Tcp as i32,
         address: config.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string()),
         layout: Some(pdmesh_worker::layout_to_wire(&layout)),
+        block_bytes: layout.block_bytes() as u64,
         ..Default::default()
     };
+    // With NIXL, prefill workers write straight into the registered arena;
+    // WriteKv (tcp) stays available for those without it.
+    let stop_progress = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(n) = &nixl {
+        agent.transport = kpb::Transport::Nixl as i32;
+        agent.nixl_metadata = n.metadata().map_err(ServeError::Setup)?;
+        agent.arena_addr = n.arena_addr as u64;
+        agent.arena_len = n.arena_len as u64;
+        let st = batcher.stats.clone();
+        pdmesh_worker::transport::spawn_progress(n.clone(), move || st.awaiting_kv.load(Ordering::Relaxed) > 0, stop_progress.clone());
+    }
     let svc = server::Service { batcher, broker: broker.clone(), worker_id, layout, lease_ms: config.lease_ms, pending: Default::default() };
     let routes = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc).max_decoding_message_size(64 << 20));
-    pdmesh_worker::serve_worker("decode", "pdmesh.decode.v1.Decode", routes, &config.common, admin, listener, shutdown, agent, broker).await
+    let r = pdmesh_worker::serve_worker("decode", "pdmesh.decode.v1.Decode", routes, &config.common, admin, listener, shutdown, agent, broker).await;
+    stop_progress.store(true, Ordering::Relaxed);
+    drop(nixl);
+    r
 }

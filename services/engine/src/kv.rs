@@ -65,6 +65,25 @@ fn f16_bytes_mut(v: &mut [f16]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 2) }
 }
 
+/// Ask for transparent huge pages over the arena (fewer TLB misses, and
+/// fewer pages for a transport to pin); a no-op where the OS says no.
+fn advise_huge_pages(ptr: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = (ptr as usize).div_ceil(HUGE) * HUGE;
+        let end = (ptr as usize + len) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: madvise only gives the kernel a hint about pages we own.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
 /// A zeroed arena from the allocator's zeroed pages: untouched blocks cost
 /// no resident memory, so RSS follows the blocks actually used.
 fn zeroed_f16(n: usize) -> Vec<f16> {
@@ -90,13 +109,25 @@ impl std::fmt::Debug for KvCache {
 
 impl KvCache {
     pub fn new(layout: KvLayout, n_blocks: usize) -> KvCache {
+        let data = zeroed_f16(layout.block_elems() * n_blocks);
+        advise_huge_pages(data.as_ptr() as *mut u8, data.len() * 2);
         KvCache {
             layout,
-            data: zeroed_f16(layout.block_elems() * n_blocks),
+            data,
             // Pop from the end: lowest ids first.
             free: (0..n_blocks as u32).rev().collect(),
             n_blocks,
         }
+    }
+
+    /// The arena's address and size in bytes: block `b` occupies
+    /// `[addr + b * block_bytes, addr + (b + 1) * block_bytes)`. The arena
+    /// never moves, so a transport may register it once and move blocks in
+    /// and out of it directly (only blocks of sequences that are not
+    /// running: reserved-but-unfilled on the receiving side, prefilled and
+    /// pinned on the sending side).
+    pub fn arena(&self) -> (usize, usize) {
+        (self.data.as_ptr() as usize, self.data.len() * 2)
     }
 
     pub fn total(&self) -> usize {

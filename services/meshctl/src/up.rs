@@ -38,6 +38,9 @@ pub struct Args {
     /// KV blocks of the prefill worker.
     #[arg(long, default_value_t = 512)]
     pub prefill_kv_blocks: usize,
+    /// KV transport of prefill and decode workers: auto (NIXL when it loads), nixl, tcp.
+    #[arg(long, default_value = "auto")]
+    pub kv_transport: String,
     /// Prefill workers to run.
     #[arg(long, default_value_t = 1)]
     pub prefill_replicas: usize,
@@ -171,6 +174,8 @@ pub async fn run(a: Args) -> Result<(), String> {
                         blocks.to_string(),
                         "--max-batch".into(),
                         batch.to_string(),
+                        "--kv-transport".into(),
+                        a.kv_transport.clone(),
                     ]);
                 }
                 _ => {}

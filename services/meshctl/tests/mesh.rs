@@ -1,5 +1,6 @@
 //! The whole mesh as users run it: `meshctl up` starts six processes on
 //! loopback; requests go through the router (gRPC) and the gateway (HTTP).
+//! KV moves over NIXL (the `scale` test covers the TCP transport).
 //! One mesh serves every check here, in order, ending with restarts.
 
 mod common;
@@ -66,6 +67,9 @@ async fn mesh_end_to_end() {
         assert_eq!(got, want, "a request changed tokens when 16 ran at once");
     }
     assert!(mesh.gauge("decode", "pdmesh_decode_steps_total").await > 0.0);
+    // The KV moved over NIXL (CI installs the nixl-cu12 wheel), never over TCP.
+    assert!(mesh.gauge("prefill", "pdmesh_prefill_kv_transfers_total{transport=\"nixl\"}").await >= 22.0);
+    assert_eq!(mesh.gauge("prefill", "pdmesh_prefill_kv_transfers_total{transport=\"tcp\"}").await, 0.0);
     assert_nothing_held(&mesh).await;
 
     // 2. Bad input: each a clear error; the mesh keeps serving.

@@ -1,7 +1,8 @@
 //! Prefill and decode scale apart: a mesh with two decode workers and one
 //! prefill. Requests spread over both decodes (by live load), tokens stay
 //! identical, and when one decode's KV is full the router uses the other;
-//! only when both are full does a client get 429.
+//! only when both are full does a client get 429. KV moves over TCP here
+//! (the `mesh` test covers NIXL), with the same tokens.
 
 mod common;
 
@@ -13,7 +14,7 @@ use pdmesh_testkit::eventually_async;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_decode_workers_share_the_load() {
-    let mesh = Mesh::up(&["--decode-replicas", "2", "--decode-kv-blocks", "200", "--prefill-replicas", "1", "--threads", "1"]);
+    let mesh = Mesh::up(&["--decode-replicas", "2", "--decode-kv-blocks", "200", "--prefill-replicas", "1", "--threads", "1", "--kv-transport", "tcp"]);
     assert!(eventually_async(Duration::from_secs(30), || async { mesh.metrics_all("decode").await.len() == 2 }).await);
     let router = mesh.router().await;
     let g = golden();
@@ -30,6 +31,9 @@ async fn two_decode_workers_share_the_load() {
         let (got, want) = t.await.unwrap();
         assert_eq!(got, want);
     }
+    let p = mesh.metrics("prefill").await;
+    assert!(metric(&p, "pdmesh_prefill_kv_transfers_total{transport=\"tcp\"}").unwrap() >= 8.0, "{p}");
+    assert_eq!(metric(&p, "pdmesh_prefill_kv_transfers_total{transport=\"nixl\"}"), Some(0.0));
     for (id, m) in mesh.metrics_all("decode").await {
         let ok = metric(&m, "pdmesh_decode_requests_total{outcome=\"ok\"}").unwrap();
         assert!(ok >= 1.0, "decode {id} served no request of 8");

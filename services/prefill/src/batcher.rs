@@ -1,7 +1,9 @@
 //! The prefill loop: one OS thread owns the engine; queued prompts are run
 //! together in batched steps (up to `max_batch` sequences and
-//! `batch_tokens` prompt tokens), each gets its first token sampled, its KV
-//! exported, and its blocks freed at once. Jobs whose caller went away
+//! `batch_tokens` prompt tokens) and each gets its first token sampled.
+//! Its blocks stay pinned until the caller has moved the KV (NIXL reads
+//! them in place; TCP asks for a copy) and releases them — a [`Pinned`]
+//! guard does that however the caller ends. Jobs whose caller went away
 //! while queued are skipped.
 
 use std::collections::VecDeque;
@@ -10,13 +12,28 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
-use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams};
+use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
 use tokio::sync::oneshot;
 
 pub struct Job {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
-    pub reply: oneshot::Sender<Result<(u32, KvBlob), EngineError>>,
+    pub reply: oneshot::Sender<Result<Pinned, EngineError>>,
+}
+
+/// A prefilled sequence whose blocks are pinned in this worker's arena.
+#[derive(Debug)]
+pub struct Prefilled {
+    pub first_token: u32,
+    pub seq: SeqId,
+    /// Blocks holding the prompt's positions, in order.
+    pub blocks: Vec<u32>,
+    pub n_tokens: usize,
+}
+
+enum Cmd {
+    Export { seq: SeqId, reply: oneshot::Sender<Result<KvBlob, EngineError>> },
+    Release { seq: SeqId },
 }
 
 pub struct Stats {
@@ -24,16 +41,27 @@ pub struct Stats {
     pub queued: AtomicU32,
     pub kv_used: AtomicU32,
     pub kv_total: AtomicU32,
+    /// Blocks of prefilled sequences waiting for their transfer to end.
+    pub kv_pinned: AtomicU32,
     pub steps: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub step_seconds: Histogram,
     pub transfer_seconds: Histogram,
     pub transfer_bytes: AtomicU64,
+    pub transfers_nixl: AtomicU64,
+    pub transfers_tcp: AtomicU64,
     pub outcomes: Outcomes,
 }
 
+#[derive(Default)]
+struct State {
+    jobs: VecDeque<Job>,
+    cmds: Vec<Cmd>,
+    stop: bool,
+}
+
 struct Queue {
-    jobs: Mutex<(VecDeque<Job>, bool)>,
+    state: Mutex<State>,
     wake: Condvar,
 }
 
@@ -48,7 +76,7 @@ struct StopOnDrop(Arc<Queue>);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
-        self.0.jobs.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.0.state.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
         self.0.wake.notify_all();
     }
 }
@@ -60,14 +88,17 @@ impl Batcher {
             queued: AtomicU32::new(0),
             kv_used: AtomicU32::new(0),
             kv_total: AtomicU32::new(engine.kv.total() as u32),
+            kv_pinned: AtomicU32::new(0),
             steps: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             step_seconds: Histogram::latency(),
             transfer_seconds: Histogram::latency(),
             transfer_bytes: AtomicU64::new(0),
+            transfers_nixl: AtomicU64::new(0),
+            transfers_tcp: AtomicU64::new(0),
             outcomes: Outcomes::new(GRPC_OUTCOMES),
         });
-        let q = Arc::new(Queue { jobs: Mutex::new((VecDeque::new(), false)), wake: Condvar::new() });
+        let q = Arc::new(Queue { state: Mutex::new(State::default()), wake: Condvar::new() });
         let (q2, s2) = (q.clone(), stats.clone());
         std::thread::Builder::new()
             .name("prefill-loop".into())
@@ -76,34 +107,65 @@ impl Batcher {
         Batcher { _stop: Arc::new(StopOnDrop(q.clone())), q, stats }
     }
 
-    /// Queue a prompt; resolves with its first token and KV.
-    pub async fn prefill(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<(u32, KvBlob), EngineError> {
+    /// Queue a prompt; resolves with its first token and pinned blocks.
+    /// The returned guard releases the blocks when dropped.
+    pub async fn prefill(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Pinned, EngineError> {
         let (reply, rx) = oneshot::channel();
         {
-            let mut g = self.q.jobs.lock().unwrap_or_else(|e| e.into_inner());
-            g.0.push_back(Job { prompt, params, reply });
-            self.stats.queued.store(g.0.len() as u32, Ordering::Relaxed);
+            let mut g = self.q.state.lock().unwrap_or_else(|e| e.into_inner());
+            g.jobs.push_back(Job { prompt, params, reply });
+            self.stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
         }
         self.q.wake.notify_one();
         rx.await.map_err(|_| EngineError::InvalidArgument("prefill loop has stopped".into()))?
     }
 }
 
+impl Queue {
+    fn command(&self, c: Cmd) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).cmds.push(c);
+        self.wake.notify_one();
+    }
+}
+
+/// Pinned blocks of one prefilled sequence; dropping it frees them (also
+/// when it is dropped undelivered, its caller gone).
+pub struct Pinned {
+    q: Arc<Queue>,
+    pub p: Prefilled,
+}
+
+impl Pinned {
+    /// A copy of the prompt's KV (for the TCP transport).
+    pub async fn export(&self) -> Result<KvBlob, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.q.command(Cmd::Export { seq: self.p.seq, reply });
+        rx.await.map_err(|_| EngineError::InvalidArgument("prefill loop has stopped".into()))?
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.q.command(Cmd::Release { seq: self.p.seq });
+    }
+}
+
 fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, batch_tokens: usize) {
+    let mut pinned: std::collections::HashMap<SeqId, u32> = Default::default();
     loop {
         let mut batch: Vec<Job> = Vec::new();
-        {
-            let mut g = q.jobs.lock().unwrap_or_else(|e| e.into_inner());
-            while g.0.is_empty() && !g.1 {
+        let cmds = {
+            let mut g = q.state.lock().unwrap_or_else(|e| e.into_inner());
+            while g.jobs.is_empty() && g.cmds.is_empty() && !g.stop {
                 g = q.wake.wait(g).unwrap_or_else(|e| e.into_inner());
             }
-            if g.1 {
+            if g.stop {
                 return;
             }
             let mut tokens = 0;
-            while let Some(j) = g.0.front() {
+            while let Some(j) = g.jobs.front() {
                 if j.reply.is_closed() {
-                    g.0.pop_front();
+                    g.jobs.pop_front();
                     stats.outcomes.inc("cancelled");
                     continue;
                 }
@@ -112,10 +174,25 @@ fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, b
                     break;
                 }
                 tokens += j.prompt.len();
-                batch.push(g.0.pop_front().expect("front exists"));
+                batch.push(g.jobs.pop_front().expect("front exists"));
             }
-            stats.queued.store(g.0.len() as u32, Ordering::Relaxed);
+            stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
+            std::mem::take(&mut g.cmds)
+        };
+        for c in cmds {
+            match c {
+                Cmd::Export { seq, reply } => {
+                    let _ = reply.send(engine.export_kv(seq));
+                }
+                Cmd::Release { seq } => {
+                    if engine.release(seq).is_ok() {
+                        pinned.remove(&seq);
+                    }
+                }
+            }
         }
+        stats.kv_pinned.store(pinned.values().sum(), Ordering::Relaxed);
+        stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);
         if batch.is_empty() {
             continue;
         }
@@ -141,27 +218,40 @@ fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, b
             let result = engine.prefill(&ids);
             stats.step_seconds.observe(t.elapsed().as_secs_f64());
             stats.steps.fetch_add(1, Ordering::Relaxed);
-            match result {
-                Ok(events) => {
-                    for (id, job) in admitted {
-                        stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-                        let r = match events.iter().find(|e| e.seq == id) {
-                            Some(ev) => engine.export_kv(id).map(|blob| (ev.token, blob)),
-                            None => Err(EngineError::InvalidArgument("prefill produced no token".into())),
-                        };
-                        let _ = engine.release(id);
-                        let _ = job.reply.send(r);
-                    }
-                }
+            let events = match result {
+                Ok(ev) => ev,
                 Err(e) => {
-                    for (id, job) in admitted {
+                    for (id, job) in admitted.drain(..) {
                         let _ = engine.release(id);
                         let _ = job.reply.send(Err(EngineError::InvalidArgument(format!("prefill step failed: {e}"))));
+                    }
+                    Vec::new()
+                }
+            };
+            for (id, job) in admitted {
+                stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+                let n_tokens = job.prompt.len();
+                let blocks = engine.blocks(id).map(|b| b[..engine.kv.layout.blocks_for(n_tokens)].to_vec());
+                let r = match (events.iter().find(|e| e.seq == id), blocks) {
+                    (Some(ev), Ok(blocks)) => Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens }),
+                    (None, _) => Err(EngineError::InvalidArgument("prefill produced no token".into())),
+                    (_, Err(e)) => Err(e),
+                };
+                match r {
+                    Ok(p) => {
+                        pinned.insert(id, engine.blocks(id).map(|b| b.len() as u32).unwrap_or(0));
+                        // Undelivered, the guard is dropped and queues its own release.
+                        let _ = job.reply.send(Ok(Pinned { q: q.clone(), p }));
+                    }
+                    Err(e) => {
+                        let _ = engine.release(id);
+                        let _ = job.reply.send(Err(e));
                     }
                 }
             }
         }
         stats.running.store(0, Ordering::Relaxed);
+        stats.kv_pinned.store(pinned.values().sum(), Ordering::Relaxed);
         stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);
     }
 }

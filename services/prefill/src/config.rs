@@ -23,5 +23,7 @@ pub struct Config {
     #[command(flatten)]
     pub engine: pdmesh_worker::EngineArgs,
     #[command(flatten)]
+    pub transport: pdmesh_worker::transport::TransportArgs,
+    #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
 }

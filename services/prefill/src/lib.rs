@@ -9,6 +9,7 @@ pub mod server;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use pdmesh_core::metrics::Text;
@@ -28,11 +29,19 @@ fn render(st: &Stats) -> String {
         .gauge("pdmesh_prefill_queued", "Prompts waiting for a forward step.", g(&st.queued))
         .gauge("pdmesh_prefill_kv_blocks_used", "KV blocks in use (only during a step).", g(&st.kv_used))
         .gauge("pdmesh_prefill_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
+        .gauge("pdmesh_prefill_kv_blocks_pinned", "Blocks of prefilled prompts waiting for their transfer to end.", g(&st.kv_pinned))
         .counter("pdmesh_prefill_steps_total", "Batched prefill steps run.", st.steps.load(Ordering::Relaxed))
         .counter("pdmesh_prefill_prompt_tokens_total", "Prompt tokens run forward.", st.prompt_tokens.load(Ordering::Relaxed))
         .counter("pdmesh_prefill_kv_transfer_bytes_total", "KV bytes written to decode workers.", st.transfer_bytes.load(Ordering::Relaxed))
         .histogram("pdmesh_prefill_step_seconds", "Duration of one batched prefill step.", &st.step_seconds)
         .histogram("pdmesh_prefill_kv_transfer_seconds", "Duration of one KV transfer to a decode worker.", &st.transfer_seconds);
+    t.labelled(
+        "pdmesh_prefill_kv_transfers_total",
+        "counter",
+        "KV transfers to decode workers, by transport.",
+        "transport",
+        &[("nixl", st.transfers_nixl.load(Ordering::Relaxed) as f64), ("tcp", st.transfers_tcp.load(Ordering::Relaxed) as f64)],
+    );
     st.outcomes.render(&mut t, "pdmesh_prefill_requests_total", "Finished prefill requests by outcome.");
     t.0
 }
@@ -42,15 +51,31 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     if config.chunk_bytes == 0 || config.chunk_bytes > 32 << 20 {
         return Err(ServeError::Setup(format!("--chunk-bytes must be 1..=33554432, got {}", config.chunk_bytes)));
     }
-    let (admin, engine, stats_slot) = pdmesh_worker::boot("prefill", serde_json::to_value(&config).unwrap_or_default(), &config.common, &config.engine, render).await?;
+    let nixl_lib = pdmesh_worker::transport::choose(&config.transport).map_err(ServeError::Setup)?;
+    let transport = if nixl_lib.is_some() { "nixl" } else { "tcp" };
+    let (admin, engine, stats_slot) = pdmesh_worker::boot("prefill", serde_json::to_value(&config).unwrap_or_default(), &config.common, &config.engine, transport, render).await?;
     let layout = engine.kv.layout;
+    let worker_id = config.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
+    let nixl = match nixl_lib {
+        Some(_) => {
+            let (addr, len) = engine.kv.arena();
+            Some(Arc::new(pdmesh_worker::transport::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?))
+        }
+        None => None,
+    };
     let batcher = Batcher::start(engine, config.engine.max_batch, config.batch_tokens);
     let _ = stats_slot.set(batcher.stats.clone());
     let broker = Peers::resolve(&config.common, "kvbroker", &config.kvbroker_addr).map_err(ServeError::Setup)?;
-    let worker_id = config.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
-    let agent = kpb::Agent { worker_id: worker_id.clone(), transport: kpb::Transport::Tcp as i32, layout: Some(pdmesh_worker::layout_to_wire(&layout)), ..Default::default() };
+    let agent = kpb::Agent {
+        worker_id: worker_id.clone(),
+        transport: if nixl.is_some() { kpb::Transport::Nixl } else { kpb::Transport::Tcp } as i32,
+        layout: Some(pdmesh_worker::layout_to_wire(&layout)),
+        ..Default::default()
+    };
     let svc = server::Service {
         batcher,
+        nixl,
+        layout,
         broker: broker.clone(),
         worker_id,
         claim_timeout: Duration::from_millis(config.claim_timeout_ms),

@@ -9,17 +9,23 @@ use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::outcome_of;
 use pdmesh_core::peers::Peers;
-use pdmesh_engine::KvBlob;
+use std::sync::Arc;
+
+use pdmesh_engine::{KvBlob, KvLayout};
+use pdmesh_worker::transport::Nixl;
 use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use pdmesh_proto::prefill::v1 as pb;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::batcher::Batcher;
+use crate::batcher::{Batcher, Pinned};
 
 pub struct Service {
     pub batcher: Batcher,
+    /// This worker's NIXL agent (its arena registered), when NIXL loaded.
+    pub nixl: Option<Arc<Nixl>>,
+    pub layout: KvLayout,
     pub broker: Peers,
     pub worker_id: String,
     pub claim_timeout: Duration,
@@ -70,7 +76,8 @@ impl Service {
             return Err(Status::invalid_argument("request_id is required"));
         }
         let params = pdmesh_worker::sampling(r.sampling.as_ref(), 1, &[], true);
-        let (first, blob) = self.batcher.prefill(r.prompt_ids, params).await.map_err(|e| pdmesh_worker::status(&e))?;
+        let pinned = self.batcher.prefill(r.prompt_ids, params).await.map_err(|e| pdmesh_worker::status(&e))?;
+        let first = pinned.p.first_token;
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let mut claim = Request::new(kpb::ClaimTicketRequest { request_id: r.request_id.clone(), source_worker: self.worker_id.clone() });
         claim.set_timeout(self.claim_timeout);
@@ -80,29 +87,66 @@ impl Service {
             _ => Status::unavailable(format!("kvbroker: {}", e.message())),
         })?;
         let ticket = ticket.into_inner();
-        if ticket.n_tokens as usize != blob.n_tokens {
-            let why = format!("decode reserved {} positions, prefill has {}", ticket.n_tokens, blob.n_tokens);
+        if ticket.n_tokens as usize != pinned.p.n_tokens {
+            let why = format!("decode reserved {} positions, prefill has {}", ticket.n_tokens, pinned.p.n_tokens);
             let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
             return Err(Status::failed_precondition(why));
         }
-        let (_agent, ch) = self.agent(&mut broker, &ticket.dest_worker).await?;
+        let (agent, ch) = self.agent(&mut broker, &ticket.dest_worker).await?;
         let t0 = Instant::now();
-        match self.write_tcp(ch, &r.request_id, &blob).await {
+        let use_nixl = self.nixl.is_some() && agent.transport == kpb::Transport::Nixl as i32 && agent.layout.as_ref() == Some(&pdmesh_worker::layout_to_wire(&self.layout));
+        let moved = if use_nixl { self.write_nixl(&agent, &ticket, &pinned).await } else { self.write_tcp_pinned(ch, &r.request_id, &pinned).await };
+        drop(pinned); // the KV is in the decode's blocks (or failed): free ours
+        let transport = if use_nixl { "nixl" } else { "tcp" };
+        match moved {
             Ok(bytes) => {
                 let st = &self.batcher.stats;
                 st.transfer_seconds.observe(t0.elapsed().as_secs_f64());
                 st.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
+                if use_nixl { &st.transfers_nixl } else { &st.transfers_tcp }.fetch_add(1, Ordering::Relaxed);
                 let done = kpb::CompleteTicketRequest { request_id: r.request_id.clone(), outcome: Some(kpb::complete_ticket_request::Outcome::FirstToken(first)), bytes };
                 broker.complete_ticket(done).await.map_err(|e| Status::failed_precondition(format!("ticket could not be completed: {}", e.message())))?;
-                Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: "tcp".into() })
+                Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: transport.into() })
             }
             Err(e) => {
                 self.forget_agent(&ticket.dest_worker);
-                let why = format!("writing the KV to {} failed: {}", ticket.dest_worker, e.message());
+                if let Some(n) = &self.nixl {
+                    n.forget(&ticket.dest_worker);
+                }
+                let why = format!("writing the KV to {} over {transport} failed: {}", ticket.dest_worker, e.message());
                 let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
                 Err(Status::unavailable(why))
             }
         }
+    }
+
+    async fn write_tcp_pinned(&self, ch: Channel, request_id: &str, pinned: &Pinned) -> Result<u64, Status> {
+        let blob = pinned.export().await.map_err(|e| pdmesh_worker::status(&e))?;
+        self.write_tcp(ch, request_id, &blob).await
+    }
+
+    /// NIXL WRITE of the pinned blocks into the ticket's destination blocks,
+    /// bounded by the ticket's lease.
+    async fn write_nixl(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status> {
+        let nixl = self.nixl.clone().expect("checked by the caller");
+        let n = pinned.p.blocks.len();
+        if ticket.dest_blocks.len() < n {
+            return Err(Status::failed_precondition(format!("decode reserved {} blocks, the prompt fills {n}", ticket.dest_blocks.len())));
+        }
+        let (src, dst) = (pinned.p.blocks.clone(), ticket.dest_blocks[..n].to_vec());
+        let (worker, md, addr) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), agent.arena_addr as usize);
+        let remote_len = agent.arena_len as usize;
+        let block_bytes = self.layout.block_bytes();
+        if agent.block_bytes as usize != block_bytes {
+            return Err(Status::failed_precondition(format!("decode blocks are {} bytes, ours {block_bytes}", agent.block_bytes)));
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).max(100));
+        let note = ticket.request_id.clone();
+        tokio::task::spawn_blocking(move || nixl.write(&worker, &md, addr, remote_len, &src, &dst, block_bytes, &note, timeout))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::unavailable)
     }
 }
 

@@ -2,6 +2,8 @@
 //! the one mapping of engine errors to gRPC statuses, conversions between
 //! wire and engine types, and the kvbroker client.
 
+pub mod transport;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -204,11 +206,12 @@ pub async fn boot<T: Send + Sync + 'static>(
     config: serde_json::Value,
     common: &pdmesh_core::args::CommonArgs,
     engine: &EngineArgs,
+    transport: &'static str,
     render: fn(&T) -> String,
 ) -> Result<(pdmesh_core::serve::Admin, Engine, StatsSlot<T>), ServeError> {
     let slot: StatsSlot<T> = Default::default();
     let s2 = slot.clone();
-    let statusz = serde_json::json!({ "config": config, "transport": "tcp", "engine": engine.options() });
+    let statusz = serde_json::json!({ "config": config, "transport": transport, "engine": engine.options() });
     let admin = pdmesh_core::admin::AdminState::new(service, statusz, std::sync::Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()));
     let admin = pdmesh_core::serve::Admin::start(common, admin).await?;
     let args = engine.clone();

@@ -1,0 +1,243 @@
+//! KV transports. `nixl`: NVIDIA NIXL (UCX backend) through `nixl-sys`;
+//! each worker registers its whole KV arena once at start, and a prefill
+//! WRITEs its pinned blocks straight into the decode worker's reserved
+//! blocks. `tcp`: the prefill streams the blocks' bytes to the decode
+//! worker's `WriteKv` RPC. A transfer uses NIXL when both ends have it.
+//!
+//! `nixl-sys` is built with `stub-api`: every NIXL call goes through a stub
+//! that dlopens `libnixl_capi.so` on first use and *aborts the process* if
+//! it is missing. So NIXL is only touched after [`load_library`] found and
+//! loaded the real library (by full path, kept loaded, so the stub's own
+//! dlopen by name finds it) and `nixl_sys::is_stub()` says it is real.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus};
+
+/// Which transport a worker offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportChoice {
+    /// NIXL if its library loads, else TCP.
+    Auto,
+    /// NIXL or fail at start.
+    Nixl,
+    /// TCP only.
+    Tcp,
+}
+
+/// Transport flags of a worker (each also an environment variable).
+#[derive(clap::Args, Debug, Clone, serde::Serialize)]
+pub struct TransportArgs {
+    /// KV transport: auto (NIXL when its library loads, else tcp), nixl, tcp.
+    #[arg(long, env = "PDMESH_KV_TRANSPORT", value_enum, default_value = "auto")]
+    pub kv_transport: TransportChoice,
+    /// Path of libnixl_capi.so (default: found on LD_LIBRARY_PATH, else in
+    /// the `nixl-cu12` wheel of the Python at $PDMESH_PYTHON or python3).
+    #[arg(long, env = "PDMESH_NIXL_LIB")]
+    pub nixl_lib: Option<PathBuf>,
+}
+
+/// Where `libnixl_capi.so` is, if anywhere.
+pub fn find_library(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_path_buf());
+    }
+    if let Ok(dirs) = std::env::var("LD_LIBRARY_PATH") {
+        for d in dirs.split(':').filter(|d| !d.is_empty()) {
+            let p = Path::new(d).join("libnixl_capi.so");
+            if p.exists() {
+                return Some(p);
+            }
+        }
+    }
+    let python = std::env::var("PDMESH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(python)
+        .args(["-c", "import site, sys; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|d| Path::new(d.trim()).join(".nixl_cu12.mesonpy.libs").join("libnixl_capi.so"))
+        .find(|p| p.exists())
+}
+
+/// Load the real NIXL C API library (kept loaded for the process's life).
+pub fn load_library(path: &Path) -> Result<(), String> {
+    static LOADED: std::sync::OnceLock<Result<libloading::Library, String>> = std::sync::OnceLock::new();
+    let r = LOADED.get_or_init(|| {
+        // SAFETY: loading a shared library runs its initialisers; libnixl_capi
+        // is the library nixl-sys is written against.
+        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+        if nixl_sys::is_stub() {
+            return Err(format!("{} loaded but nixl-sys still sees the stub", path.display()));
+        }
+        Ok(lib)
+    });
+    r.as_ref().map(|_| ()).map_err(Clone::clone)
+}
+
+/// Decide the transport at start: `Some(library)` for NIXL, `None` for TCP.
+pub fn choose(args: &TransportArgs) -> Result<Option<PathBuf>, String> {
+    if args.kv_transport == TransportChoice::Tcp {
+        return Ok(None);
+    }
+    let found = find_library(args.nixl_lib.as_deref());
+    let loaded = match &found {
+        Some(p) => load_library(p).map(|_| p.clone()),
+        None => Err("libnixl_capi.so not found (pip install nixl-cu12==1.5.1, or give --nixl-lib)".into()),
+    };
+    match (args.kv_transport, loaded) {
+        (_, Ok(p)) => {
+            eprintln!("KV transport: nixl ({})", p.display());
+            Ok(Some(p))
+        }
+        (TransportChoice::Nixl, Err(e)) => Err(format!("--kv-transport nixl: {e}")),
+        (_, Err(e)) => {
+            eprintln!("KV transport: tcp ({e})");
+            Ok(None)
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Region {
+    addr: usize,
+    len: usize,
+}
+
+impl MemoryRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for Region {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// A NIXL agent with this worker's KV arena registered.
+pub struct Nixl {
+    agent: Agent,
+    _registration: RegistrationHandle,
+    pub arena_addr: usize,
+    pub arena_len: usize,
+    /// Remote agents loaded from their metadata, by worker id.
+    remotes: Mutex<HashMap<String, (Vec<u8>, String)>>,
+}
+
+impl Nixl {
+    /// Create the agent (UCX backend, no progress thread: idle progress
+    /// threads spin and take whole cores here; the receiving side polls
+    /// instead, see [`Nixl::progress`]) and register the arena once.
+    pub fn start(name: &str, arena_addr: usize, arena_len: usize) -> Result<Nixl, String> {
+        let cfg = AgentConfig { enable_prog_thread: false, thread_sync: ThreadSync::Strict, ..Default::default() };
+        let agent = Agent::new_configured(name, &cfg).map_err(|e| format!("NIXL agent: {e}"))?;
+        let (_mems, params) = agent.get_plugin_params("UCX").map_err(|e| format!("NIXL UCX plugin: {e}"))?;
+        agent.create_backend("UCX", &params).map_err(|e| format!("NIXL UCX backend: {e}"))?;
+        let reg = agent.register_memory(&Region { addr: arena_addr, len: arena_len }, None).map_err(|e| format!("NIXL register KV arena: {e}"))?;
+        Ok(Nixl { agent, _registration: reg, arena_addr, arena_len, remotes: Mutex::default() })
+    }
+
+    /// This agent's metadata, for the kvbroker.
+    pub fn metadata(&self) -> Result<Vec<u8>, String> {
+        self.agent.get_local_md().map_err(|e| format!("NIXL metadata: {e}"))
+    }
+
+    /// The remote agent's name, loading (or reloading, when it changed:
+    /// a restarted worker) its metadata.
+    fn remote(&self, worker: &str, md: &[u8]) -> Result<String, String> {
+        let mut m = self.remotes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((known, name)) = m.get(worker) {
+            if known == md {
+                return Ok(name.clone());
+            }
+            let _ = self.agent.invalidate_remote_md(name);
+        }
+        let name = self.agent.load_remote_md(md).map_err(|e| format!("NIXL load metadata of {worker}: {e}"))?;
+        m.insert(worker.into(), (md.to_vec(), name.clone()));
+        Ok(name)
+    }
+
+    /// Forget a remote (after a failed transfer).
+    pub fn forget(&self, worker: &str) {
+        if let Some((_, name)) = self.remotes.lock().unwrap_or_else(|e| e.into_inner()).remove(worker) {
+            let _ = self.agent.invalidate_remote_md(&name);
+        }
+    }
+
+    /// WRITE `src` blocks of the local arena into `dst` blocks of the
+    /// remote arena at `remote_addr`; blocks are `block_bytes` long.
+    /// Blocking: polls until done or `timeout`. Returns the bytes moved.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(&self, worker: &str, md: &[u8], remote_addr: usize, remote_len: usize, src: &[u32], dst: &[u32], block_bytes: usize, note: &str, timeout: Duration) -> Result<u64, String> {
+        if src.len() != dst.len() {
+            return Err(format!("{} source blocks for {} destination blocks", src.len(), dst.len()));
+        }
+        let remote = self.remote(worker, md)?;
+        let mut local = XferDescList::new(MemType::Dram).map_err(|e| e.to_string())?;
+        let mut far = XferDescList::new(MemType::Dram).map_err(|e| e.to_string())?;
+        for (s, d) in src.iter().zip(dst) {
+            let (so, doff) = (*s as usize * block_bytes, *d as usize * block_bytes);
+            if so + block_bytes > self.arena_len || doff + block_bytes > remote_len {
+                return Err(format!("block {s} -> {d} is outside an arena"));
+            }
+            local.add_desc(self.arena_addr + so, block_bytes, 0);
+            far.add_desc(remote_addr + doff, block_bytes, 0);
+        }
+        let mut opt = OptArgs::new().map_err(|e| e.to_string())?;
+        opt.set_notification_message(note.as_bytes()).map_err(|e| e.to_string())?;
+        opt.set_has_notification(true).map_err(|e| e.to_string())?;
+        let req = self.agent.create_xfer_req(XferOp::Write, &local, &far, &remote, Some(&opt)).map_err(|e| format!("NIXL transfer request: {e}"))?;
+        let t0 = Instant::now();
+        let mut in_progress = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| format!("NIXL post: {e}"))?;
+        while in_progress {
+            if t0.elapsed() > timeout {
+                return Err(format!("NIXL transfer still running after {timeout:?}"));
+            }
+            in_progress = self.agent.get_xfer_status(&req).map_err(|e| format!("NIXL transfer: {e}"))? == XferStatus::InProgress;
+            if in_progress {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        Ok((src.len() * block_bytes) as u64)
+    }
+
+    /// Drive this agent's backend progress and drain its notifications (the
+    /// receiving side calls this while it expects transfers).
+    pub fn progress(&self, map: &mut NotificationMap) {
+        if self.agent.get_notifications(map, None).is_ok() {
+            let _ = map.take_notifs();
+        }
+    }
+}
+
+/// Poll `nixl`'s progress on a thread while `busy()` says transfers are
+/// expected (every 1 ms), else every 20 ms, until `stop` is set.
+pub fn spawn_progress(nixl: std::sync::Arc<Nixl>, busy: impl Fn() -> bool + Send + 'static, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    std::thread::Builder::new()
+        .name("nixl-progress".into())
+        .spawn(move || {
+            let Ok(mut map) = NotificationMap::new() else { return };
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let b = busy();
+                if b {
+                    nixl.progress(&mut map);
+                }
+                std::thread::sleep(Duration::from_millis(if b { 1 } else { 20 }));
+            }
+        })
+        .expect("spawn nixl progress thread");
+}
