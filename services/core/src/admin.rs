@@ -64,6 +64,7 @@ pub async fn serve_admin(listener: TcpListener, state: AdminState, shutdown: imp
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/statusz", get(statusz))
+        .route("/faults/{name}/{value}", axum::routing::put(set_fault))
         .with_state(state);
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
@@ -78,6 +79,13 @@ async fn health(axum::extract::State(s): axum::extract::State<AdminState>) -> im
 
 async fn metrics(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], (s.metrics)())
+}
+
+async fn set_fault(axum::extract::Path((name, value)): axum::extract::Path<(String, u64)>) -> impl IntoResponse {
+    match crate::faults::set(&name, value) {
+        Ok(()) => (StatusCode::OK, format!("{name} = {value}\n")),
+        Err(e) => (StatusCode::FORBIDDEN, format!("{e}\n")),
+    }
 }
 
 async fn statusz(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {

@@ -17,4 +17,7 @@ pub struct CommonArgs {
     /// Instance id in the registry (default: `<service>-<pid>`).
     #[arg(long, env = "PDMESH_INSTANCE_ID")]
     pub instance_id: Option<String>,
+    /// Allow tests to set fault-injection switches over `PUT /faults/<name>/<value>` (never in production).
+    #[arg(long, env = "PDMESH_ENABLE_FAULT_INJECTION")]
+    pub enable_fault_injection: bool,
 }

@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod args;
 pub mod discovery;
+pub mod faults;
 pub mod grpc;
 pub mod http;
 pub mod metrics;

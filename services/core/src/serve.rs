@@ -33,6 +33,7 @@ pub struct Admin {
 impl Admin {
     /// Start /health, /metrics and /statusz on `--http-listen`, if set.
     pub async fn start(common: &CommonArgs, state: AdminState) -> Result<Admin, ServeError> {
+        crate::faults::enable(common.enable_fault_injection);
         let Some(addr) = common.http_listen else {
             return Ok(Admin { state, http_addr: None, stop: None });
         };

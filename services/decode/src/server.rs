@@ -35,12 +35,28 @@ struct Reservation {
     request_id: String,
     seq: SeqId,
     started: bool,
+    /// A prefill claimed the ticket (it may be writing into the blocks).
+    claimed: bool,
 }
+
+/// How long blocks of a ticket that ended after a prefill claimed it stay
+/// reserved: a one-sided NIXL write may still be landing in them (the
+/// prefill bounds a write to 1.5 s).
+const QUARANTINE: Duration = Duration::from_secs(2);
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.request_id);
-        if !self.started {
+        if self.started {
+            return;
+        }
+        if self.claimed {
+            let (b, seq) = (self.batcher.clone(), self.seq);
+            tokio::spawn(async move {
+                tokio::time::sleep(QUARANTINE).await;
+                b.release(seq);
+            });
+        } else {
             self.batcher.release(self.seq);
         }
     }
@@ -83,7 +99,7 @@ impl Service {
             }
             p.insert(r.request_id.clone(), seq);
         }
-        let mut res = Reservation { batcher: self.batcher.clone(), pending: self.pending.clone(), request_id: r.request_id.clone(), seq, started: false };
+        let mut res = Reservation { batcher: self.batcher.clone(), pending: self.pending.clone(), request_id: r.request_id.clone(), seq, started: false, claimed: false };
         let n_blocks = blocks.len() as u32;
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let open = kpb::OpenTicketRequest { request_id: r.request_id.clone(), dest_worker: self.worker_id.clone(), dest_blocks: blocks, n_tokens: n_prompt, lease_ms: self.lease_ms };
@@ -118,9 +134,15 @@ impl Service {
                                 return;
                             }
                             kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired => break ticket_failure(&t),
+                            kpb::TicketState::Claimed | kpb::TicketState::Writing => {
+                                res.claimed = true;
+                                continue;
+                            }
                             _ => continue,
                         },
                         Ok(None) | Err(_) => {
+                            // The broker is gone: a prefill may have claimed meanwhile.
+                            res.claimed = true;
                             cancel(broker.clone(), &request_id, "decode lost the kvbroker watch");
                             break Status::unavailable("kvbroker connection lost while waiting for the KV");
                         }

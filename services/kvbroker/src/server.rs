@@ -83,6 +83,12 @@ impl pb::kv_broker_server::KvBroker for Broker {
         Ok(Response::new(t))
     }
 
+    async fn begin_write(&self, req: Request<pb::BeginWriteRequest>) -> Result<Response<Ticket>, Status> {
+        let r = req.into_inner();
+        let t = self.table().begin_write(&r.request_id, now_ms()).map_err(Error::from)?;
+        Ok(Response::new(t))
+    }
+
     async fn complete_ticket(&self, req: Request<pb::CompleteTicketRequest>) -> Result<Response<Ticket>, Status> {
         let r = req.into_inner();
         let outcome = match r.outcome {

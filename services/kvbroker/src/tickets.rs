@@ -121,6 +121,17 @@ impl Tickets {
         }))
     }
 
+    /// Prefill: the write into the destination blocks starts now (CLAIMED
+    /// -> WRITING). Refused once the ticket ended, so a prefill never starts
+    /// writing into blocks the decode worker has freed.
+    pub fn begin_write(&mut self, id: &str, now_ms: u64) -> Result<Ticket, TicketError> {
+        let cur = self.get(id).map(|t| state(&t)).ok_or_else(|| TicketError::NotFound(id.into()))?;
+        if cur != TicketState::Claimed {
+            return Err(TicketError::WrongState(id.into(), cur));
+        }
+        Ok(self.update(id, now_ms, |t| t.state = TicketState::Writing as i32))
+    }
+
     /// Prefill: the KV is written (`Ok(first_token)`) or could not be (`Err(why)`).
     pub fn complete(&mut self, id: &str, outcome: Result<u32, String>, bytes: u64, now_ms: u64) -> Result<Ticket, TicketError> {
         let cur = self.get(id).map(|t| state(&t)).ok_or_else(|| TicketError::NotFound(id.into()))?;

@@ -41,6 +41,12 @@ pub struct Args {
     /// KV transport of prefill and decode workers: auto (NIXL when it loads), nixl, tcp.
     #[arg(long, default_value = "auto")]
     pub kv_transport: String,
+    /// Lease of a decode worker's transfer tickets, in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub decode_lease_ms: u32,
+    /// Start every service with `--enable-fault-injection` (tests only).
+    #[arg(long)]
+    pub enable_fault_injection: bool,
     /// Prefill workers to run.
     #[arg(long, default_value_t = 1)]
     pub prefill_replicas: usize,
@@ -161,6 +167,12 @@ pub async fn run(a: Args) -> Result<(), String> {
             let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
             let http = free_addr()?;
             let mut args = vec!["--listen".into(), listen, "--http-listen".into(), http.clone(), "--registry-dir".into(), reg_dir.clone(), "--instance-id".into(), id.clone()];
+            if a.enable_fault_injection {
+                args.push("--enable-fault-injection".into());
+            }
+            if name == "decode" {
+                args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
+            }
             match name {
                 "tokenizer" => args.extend(["--model".into(), model.clone()]),
                 "prefill" | "decode" => {

@@ -80,7 +80,7 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         worker_id,
         claim_timeout: Duration::from_millis(config.claim_timeout_ms),
         chunk_bytes: config.chunk_bytes,
-        agents: Default::default(),
+        channels: Default::default(),
     };
     let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));
     pdmesh_worker::serve_worker("prefill", "pdmesh.prefill.v1.Prefill", routes, &config.common, admin, listener, shutdown, agent, broker).await

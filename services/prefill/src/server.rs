@@ -21,6 +21,11 @@ use tonic::{Request, Response, Status};
 
 use crate::batcher::{Batcher, Pinned};
 
+/// Least lease time left for a KV write to start, in milliseconds.
+const WRITE_MARGIN_MS: u64 = 500;
+/// Longest a NIXL write may run (the decode quarantines abandoned blocks for 2 s).
+const MAX_WRITE_MS: u64 = 1_500;
+
 pub struct Service {
     pub batcher: Batcher,
     /// This worker's NIXL agent (its arena registered), when NIXL loaded.
@@ -30,27 +35,30 @@ pub struct Service {
     pub worker_id: String,
     pub claim_timeout: Duration,
     pub chunk_bytes: usize,
-    /// Transfer endpoints of decode workers, by worker id.
-    pub agents: Mutex<HashMap<String, (kpb::Agent, Channel)>>,
+    /// Channels to decode workers, by address.
+    pub channels: Mutex<HashMap<String, Channel>>,
 }
 
 impl Service {
+    /// The decode worker's transfer endpoint, asked of the broker for every
+    /// transfer (a restarted decode keeps its id but has a new arena and
+    /// NIXL agent); channels are cached by address.
     async fn agent(&self, broker: &mut pdmesh_worker::BrokerClient, worker: &str) -> Result<(kpb::Agent, Channel), Status> {
-        if let Some(a) = self.agents.lock().unwrap_or_else(|e| e.into_inner()).get(worker) {
-            return Ok(a.clone());
-        }
         let agent = broker
             .get_agent(kpb::GetAgentRequest { worker_id: worker.into() })
             .await
             .map_err(|e| Status::unavailable(format!("decode worker {worker} is unknown to the kvbroker: {}", e.message())))?
             .into_inner();
-        let ch = pdmesh_core::grpc::lazy_channel(&agent.address).map_err(Status::internal)?;
-        self.agents.lock().unwrap_or_else(|e| e.into_inner()).insert(worker.into(), (agent.clone(), ch.clone()));
+        let mut m = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        let ch = match m.get(&agent.address) {
+            Some(c) => c.clone(),
+            None => {
+                let c = pdmesh_core::grpc::lazy_channel(&agent.address).map_err(Status::internal)?;
+                m.insert(agent.address.clone(), c.clone());
+                c
+            }
+        };
         Ok((agent, ch))
-    }
-
-    fn forget_agent(&self, worker: &str) {
-        self.agents.lock().unwrap_or_else(|e| e.into_inner()).remove(worker);
     }
 
     /// Stream the blob into the decode worker's reserved blocks.
@@ -93,6 +101,22 @@ impl Service {
             return Err(Status::failed_precondition(why));
         }
         let (agent, ch) = self.agent(&mut broker, &ticket.dest_worker).await?;
+        let stall = pdmesh_core::faults::get("prefill.transfer_delay_ms");
+        if stall > 0 {
+            tokio::time::sleep(Duration::from_millis(stall)).await;
+        }
+        // Never start a write the lease may not cover: once it expires the
+        // decode frees (and may reuse) the destination blocks.
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        if ticket.lease_deadline_unix_ms < now + WRITE_MARGIN_MS {
+            let why = format!("transfer lease ends in {} ms; not starting the write", ticket.lease_deadline_unix_ms.saturating_sub(now));
+            let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
+            return Err(Status::deadline_exceeded(why));
+        }
+        broker
+            .begin_write(kpb::BeginWriteRequest { request_id: r.request_id.clone() })
+            .await
+            .map_err(|e| Status::failed_precondition(format!("transfer ticket ended before the write began: {}", e.message())))?;
         let t0 = Instant::now();
         let use_nixl = self.nixl.is_some() && agent.transport == kpb::Transport::Nixl as i32 && agent.layout.as_ref() == Some(&pdmesh_worker::layout_to_wire(&self.layout));
         let moved = if use_nixl { self.write_nixl(&agent, &ticket, &pinned).await } else { self.write_tcp_pinned(ch, &r.request_id, &pinned).await };
@@ -109,7 +133,6 @@ impl Service {
                 Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: transport.into() })
             }
             Err(e) => {
-                self.forget_agent(&ticket.dest_worker);
                 if let Some(n) = &self.nixl {
                     n.forget(&ticket.dest_worker);
                 }
@@ -141,7 +164,8 @@ impl Service {
             return Err(Status::failed_precondition(format!("decode blocks are {} bytes, ours {block_bytes}", agent.block_bytes)));
         }
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).max(100));
+        // Bounded by the lease and by the decode's quarantine of abandoned blocks.
+        let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
         let note = ticket.request_id.clone();
         tokio::task::spawn_blocking(move || nixl.write(&worker, &md, addr, remote_len, &src, &dst, block_bytes, &note, timeout))
             .await

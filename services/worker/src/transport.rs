@@ -142,7 +142,12 @@ impl Nixl {
     /// Create the agent (UCX backend, no progress thread: idle progress
     /// threads spin and take whole cores here; the receiving side polls
     /// instead, see [`Nixl::progress`]) and register the arena once.
-    pub fn start(name: &str, arena_addr: usize, arena_len: usize) -> Result<Nixl, String> {
+    pub fn start(worker_id: &str, arena_addr: usize, arena_len: usize) -> Result<Nixl, String> {
+        // Unique per process: a restarted worker keeps its worker id but is a
+        // new NIXL peer (peers must not reuse the dead one's connection).
+        let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let name = format!("{worker_id}.{}.{nonce:08x}", std::process::id());
+        let name = name.as_str();
         let cfg = AgentConfig { enable_prog_thread: false, thread_sync: ThreadSync::Strict, ..Default::default() };
         let agent = Agent::new_configured(name, &cfg).map_err(|e| format!("NIXL agent: {e}"))?;
         let (_mems, params) = agent.get_plugin_params("UCX").map_err(|e| format!("NIXL UCX plugin: {e}"))?;

@@ -18,7 +18,12 @@ pub struct Mesh {
     pub dir: PathBuf,
     pub gateway: String,
     child: Child,
+    // One mesh at a time per test binary: two would fight over 2 cores and
+    // make timing assertions meaningless. Dropped last (declared last).
+    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
 }
+
+static ONE_MESH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn free_addr() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string()
@@ -27,6 +32,7 @@ fn free_addr() -> String {
 impl Mesh {
     /// Start the mesh with extra `meshctl up` flags; waits until it says it is up.
     pub fn up(extra: &[&str]) -> Mesh {
+        let guard = ONE_MESH.lock().unwrap_or_else(|e| e.into_inner());
         let dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), rand_suffix()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -59,7 +65,7 @@ impl Mesh {
             }
             assert!(t0.elapsed() < Duration::from_secs(400), "mesh did not come up");
         }
-        Mesh { dir, gateway, child }
+        Mesh { dir, gateway, child, _one_at_a_time: guard }
     }
 
     pub fn registry(&self) -> FileRegistry {
@@ -96,6 +102,16 @@ impl Mesh {
 
 impl Drop for Mesh {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // Show what the services said; keep their logs for a look.
+            if let Ok(rd) = std::fs::read_dir(self.dir.join("logs")) {
+                for e in rd.flatten() {
+                    let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                    let lines: Vec<&str> = text.lines().collect();
+                    eprintln!("==> {} (last lines)\n{}", e.path().display(), lines[lines.len().saturating_sub(30)..].join("\n"));
+                }
+            }
+        }
         // SAFETY: kill(2) on our own child; SIGTERM makes meshctl stop the mesh.
         unsafe {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
@@ -103,7 +119,9 @@ impl Drop for Mesh {
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_secs(30) {
             if let Ok(Some(_)) = self.child.try_wait() {
-                let _ = std::fs::remove_dir_all(&self.dir);
+                if !std::thread::panicking() {
+                    let _ = std::fs::remove_dir_all(&self.dir);
+                }
                 return;
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -227,4 +245,79 @@ pub fn start_stream(gateway: &str, body: &str, n: usize) -> TcpStream {
 
 pub fn chat_body(content: &str, extra: &str) -> String {
     format!(r#"{{"model":"smollm2-135m-instruct","messages":[{{"role":"user","content":{}}}]{extra}}}"#, serde_json::Value::String(content.into()))
+}
+
+impl Mesh {
+    /// The pid of a service's (first) live instance, from its /statusz.
+    pub async fn pid(&self, service: &str) -> i32 {
+        let i = self.instance(service).await;
+        let (_, body) = pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/statusz");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["pid"].as_u64().unwrap() as i32
+    }
+
+    /// Set a fault-injection switch on every live instance of `service`.
+    pub async fn fault(&self, service: &str, name: &str, value: u64) {
+        for i in self.registry().healthy(service).await.unwrap() {
+            let (st, body) = pdmesh_core::http::put(i.http_addr.as_deref().unwrap(), &format!("/faults/{name}/{value}"), Duration::from_secs(5)).unwrap();
+            assert_eq!(st, 200, "{body}");
+        }
+    }
+
+    /// SIGKILL a service's instance and wait until its replacement (started
+    /// by `meshctl up`) is ready.
+    pub async fn kill_and_wait(&self, service: &str) {
+        let old = self.pid(service).await;
+        // SAFETY: kill(2) on a mesh child process.
+        unsafe {
+            libc::kill(old, libc::SIGKILL);
+        }
+        let back = pdmesh_testkit::eventually_async(Duration::from_secs(120), || async {
+            let Ok(list) = self.registry().healthy(service).await else { return false };
+            let Some(i) = list.first() else { return false };
+            let Ok((200, body)) = pdmesh_core::http::get(i.http_addr.as_deref().unwrap(), "/statusz", Duration::from_secs(2)) else { return false };
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            v["pid"].as_u64() != Some(old as u64) && v["ready"] == true
+        })
+        .await;
+        assert!(back, "{service} did not come back");
+    }
+
+    /// Wait until no KV block is reserved, pinned or in use anywhere and no
+    /// ticket is live; panics with the metrics otherwise.
+    pub async fn assert_released(&self, within: Duration) {
+        let g = |t: &str, n: &str| pdmesh_core::http::metric(t, n).unwrap_or(-1.0);
+        let t0 = Instant::now();
+        loop {
+            let mut snapshot = String::new();
+            let mut fine = true;
+            for (_, m) in self.metrics_all("decode").await {
+                fine &= ["pdmesh_decode_kv_blocks_used", "pdmesh_decode_awaiting_kv", "pdmesh_decode_running", "pdmesh_decode_queued"].iter().all(|n| g(&m, n) == 0.0);
+                snapshot.push_str(&m);
+            }
+            for (_, m) in self.metrics_all("prefill").await {
+                fine &= ["pdmesh_prefill_kv_blocks_used", "pdmesh_prefill_kv_blocks_pinned"].iter().all(|n| g(&m, n) == 0.0);
+                snapshot.push_str(&m);
+            }
+            let b = self.metrics("kvbroker").await;
+            fine &= ["open", "claimed", "writing"].iter().all(|s| g(&b, &format!("pdmesh_kvbroker_tickets{{state=\"{s}\"}}")) == 0.0);
+            snapshot.push_str(&b);
+            if fine {
+                return;
+            }
+            assert!(t0.elapsed() < within, "KV blocks or tickets still held after {within:?}:\n{snapshot}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+pub fn raw_request(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: String::new(),
+        input: Some(pb::generate_request::Input::Prompt(prompt.into())),
+        sampling: Some(common::SamplingParams::default()),
+        max_tokens,
+        stop: vec![],
+        ignore_eos: true,
+    }
 }

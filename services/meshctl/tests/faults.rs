@@ -1,0 +1,168 @@
+//! Faults around the KV transfer, each checked through /metrics: every
+//! reserved or pinned block is free again within the lease (plus the
+//! decode's quarantine of blocks a write may still reach), no ticket stays
+//! live, and the affected request ends promptly with a clear status.
+//! Test-only switches (`--enable-fault-injection`) stall the prefill's
+//! transfer. KV moves over NIXL here.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{chat_request, raw_request, run, Mesh};
+use tonic::Code;
+
+const LEASE_MS: u64 = 3000;
+/// Lease + quarantine + slack.
+const RELEASED_WITHIN: Duration = Duration::from_secs(10);
+
+async fn works(mesh: &Mesh) {
+    let mut r = mesh.router().await;
+    let o = run(&mut r, raw_request("The capital of France is", 4)).await.expect("a request after the fault");
+    assert_eq!(o.ids.len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kv_transfer_faults_free_everything() {
+    let mesh = Mesh::up(&["--decode-lease-ms", &LEASE_MS.to_string(), "--enable-fault-injection", "--decode-kv-blocks", "600"]);
+    let mut router = mesh.router().await;
+    works(&mesh).await;
+
+    // 1. The client cancels before the first token (the transfer is stalled).
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 1500).await;
+    let s = router.generate(chat_request("Tell me a story", 64, true)).await.unwrap().into_inner();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    drop(s);
+    mesh.assert_released(RELEASED_WITHIN).await;
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
+    works(&mesh).await;
+
+    // 2. The client cancels while tokens stream.
+    let mut s = router.generate(chat_request("Tell me a long story", 300, true)).await.unwrap().into_inner();
+    for _ in 0..3 {
+        s.message().await.unwrap().unwrap();
+    }
+    drop(s);
+    mesh.assert_released(RELEASED_WITHIN).await;
+
+    // 3. A transfer stalled past its lease: DEADLINE_EXCEEDED soon after the lease.
+    mesh.fault("prefill", "prefill.transfer_delay_ms", LEASE_MS + 1500).await;
+    let t0 = Instant::now();
+    let e = run(&mut router, raw_request("Hello", 8)).await.expect_err("a stalled transfer must fail");
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(e.message().contains("lease"), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_millis(LEASE_MS + 2500), "took {:?}", t0.elapsed());
+    mesh.assert_released(RELEASED_WITHIN).await;
+    assert!(mesh.gauge("kvbroker", "pdmesh_kvbroker_lease_expiries_total").await >= 1.0);
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
+    works(&mesh).await;
+
+    // 4. The prefill dies after the ticket opened.
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 2000).await;
+    let mut r2 = router.clone();
+    let req = tokio::spawn(async move { run(&mut r2, raw_request("Hello there", 8)).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = Instant::now();
+    mesh.kill_and_wait("prefill").await;
+    let e = req.await.unwrap().expect_err("the request must fail");
+    assert!(matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    mesh.assert_released(RELEASED_WITHIN).await;
+    works(&mesh).await;
+
+    // 5. The decode dies during the transfer.
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 1500).await;
+    let mut r2 = router.clone();
+    let req = tokio::spawn(async move { tokio::time::timeout(Duration::from_secs(15), run(&mut r2, raw_request("Hello again", 8))).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    mesh.kill_and_wait("decode").await;
+    let e = req.await.unwrap().expect("ends promptly").expect_err("the request must fail");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    mesh.assert_released(RELEASED_WITHIN).await;
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
+    works(&mesh).await;
+
+    // 6. The broker restarts with transfers in flight: they fail cleanly, new ones succeed.
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 1500).await;
+    let mut inflight = Vec::new();
+    for i in 0..3 {
+        let mut r2 = router.clone();
+        inflight.push(tokio::spawn(async move { tokio::time::timeout(Duration::from_secs(15), run(&mut r2, raw_request(&format!("Count to {i}"), 8))).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    mesh.kill_and_wait("kvbroker").await;
+    for t in inflight {
+        let e = t.await.unwrap().expect("ends promptly").expect_err("in-flight transfers fail");
+        assert!(matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled), "{e:?}");
+    }
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
+    mesh.assert_released(RELEASED_WITHIN).await;
+    let ok = pdmesh_testkit::eventually_async(Duration::from_secs(20), || async {
+        let mut r = mesh.router().await;
+        run(&mut r, raw_request("The capital of France is", 4)).await.is_ok()
+    })
+    .await;
+    assert!(ok, "new transfers never succeeded after the broker restart");
+}
+
+/// 200 requests at concurrency 32, half cancelled at random moments: no
+/// block stays pinned or reserved, and the next requests run at normal speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancel_storm_leaves_nothing_pinned() {
+    let mesh = Mesh::up(&["--decode-kv-blocks", "800", "--decode-max-batch", "32"]);
+    let router = mesh.router().await;
+    let mut r = router.clone();
+    let t0 = Instant::now();
+    run(&mut r, raw_request("The capital of France is", 16)).await.unwrap();
+    let baseline = t0.elapsed();
+
+    let mut rng = 0x9e3779b97f4a7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let plan: Vec<(bool, u64)> = (0..200).map(|_| (next() % 2 == 0, next() % 1500)).collect();
+    let plan = std::sync::Arc::new(std::sync::Mutex::new(plan.into_iter().enumerate().collect::<Vec<_>>()));
+    let mut workers = Vec::new();
+    for _ in 0..32 {
+        let (plan, router) = (plan.clone(), router.clone());
+        workers.push(tokio::spawn(async move {
+            let (mut ok, mut cancelled, mut failed) = (0, 0, 0);
+            loop {
+                let Some((i, (cancel, after_ms))) = plan.lock().unwrap().pop() else { return (ok, cancelled, failed) };
+                let mut r = router.clone();
+                let fut = run(&mut r, raw_request(&format!("Item {i}: the weather today is"), 24));
+                if cancel {
+                    if tokio::time::timeout(Duration::from_millis(after_ms), fut).await.is_err() {
+                        cancelled += 1;
+                    } else {
+                        ok += 1;
+                    }
+                } else {
+                    match tokio::time::timeout(Duration::from_secs(120), fut).await {
+                        Ok(Ok(_)) => ok += 1,
+                        _ => failed += 1,
+                    }
+                }
+            }
+        }));
+    }
+    let (mut ok, mut cancelled, mut failed) = (0, 0, 0);
+    for w in workers {
+        let (a, b, c) = w.await.unwrap();
+        ok += a;
+        cancelled += b;
+        failed += c;
+    }
+    assert_eq!(ok + cancelled + failed, 200);
+    assert_eq!(failed, 0, "requests that were not cancelled must succeed");
+    assert!(cancelled >= 50, "the storm should cancel many requests, cancelled {cancelled}");
+    mesh.assert_released(RELEASED_WITHIN).await;
+    let t0 = Instant::now();
+    let mut r = router.clone();
+    run(&mut r, raw_request("The capital of France is", 16)).await.unwrap();
+    let after = t0.elapsed();
+    assert!(after < baseline * 3 + Duration::from_millis(300), "after the storm a request took {after:?}, before {baseline:?}");
+}
