@@ -26,6 +26,8 @@ pub fn lazy_channel(addr: &str) -> Result<Channel, String> {
     Ok(ep
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
+        .initial_stream_window_size(Some(STREAM_WINDOW))
+        .initial_connection_window_size(Some(CONN_WINDOW))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(5))
         .keep_alive_while_idle(true)
@@ -91,10 +93,26 @@ impl Health {
     }
 }
 
-/// Serve `routes` on `listener` until `shutdown` resolves.
+/// HTTP/2 flow-control windows: big enough that a KV stream or a burst of
+/// token messages never waits for window updates.
+const STREAM_WINDOW: u32 = 4 << 20;
+const CONN_WINDOW: u32 = 16 << 20;
+
+/// Serve `routes` on `listener` until `shutdown` resolves. Accepted
+/// connections get TCP_NODELAY: without it, small messages (one token) wait
+/// for the peer's delayed ACK, tens of milliseconds per hop.
 pub async fn serve_routes(routes: tonic::service::Routes, listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<(), tonic::transport::Error> {
+    use tokio_stream::StreamExt;
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+        if let Ok(s) = &s {
+            let _ = s.set_nodelay(true);
+        }
+        s
+    });
     tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(STREAM_WINDOW))
+        .initial_connection_window_size(Some(CONN_WINDOW))
         .add_routes(routes)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }

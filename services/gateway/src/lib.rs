@@ -328,6 +328,11 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     let addr = listener.local_addr()?;
     // Serve at once (requests get 503 until a router appears); ready and
     // announced once a router is reachable.
+    // TCP_NODELAY: SSE chunks are small; without it each waits on a delayed ACK.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown).into_future();
     tokio::pin!(server);
     let announced = tokio::select! {

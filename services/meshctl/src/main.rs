@@ -11,6 +11,7 @@
 
 mod bench;
 mod generate;
+mod kvbench;
 mod status;
 mod up;
 
@@ -41,6 +42,8 @@ enum Cmd {
     Generate(generate::Args),
     /// TTFT and output tokens/s through the mesh and through the engine alone, same workload.
     Bench(bench::Args),
+    /// Move one prompt's KV between two processes with NIXL and TCP, beside memcpy.
+    Kvbench(kvbench::Args),
 }
 
 #[tokio::main]
@@ -51,6 +54,7 @@ async fn main() -> ExitCode {
         Cmd::Status(a) => status::run(a).await,
         Cmd::Generate(a) => generate::run(a).await,
         Cmd::Bench(a) => bench::run(a).await,
+        Cmd::Kvbench(a) => kvbench::run(a).await,
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

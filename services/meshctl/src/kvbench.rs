@@ -1,0 +1,180 @@
+//! `meshctl kvbench`: move one prompt's KV (default 512 tokens of
+//! SmolLM2: 32 blocks, 11.8 MB) from this process into another one, with
+//! NIXL (UCX, arena registered once) and with the TCP transport (a
+//! `Decode/WriteKv` gRPC stream in 1 MiB chunks), beside a plain memcpy of
+//! the same bytes; median of `--rounds` each. Prints JSON.
+//!
+//! The other process is this binary again (`meshctl kvbench --target`),
+//! which registers its arena, serves WriteKv, and prints its NIXL metadata.
+
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+use pdmesh_proto::decode::v1 as dpb;
+use pdmesh_worker::transport::{self, Nixl};
+use serde_json::json;
+use tonic::{Request, Response, Status, Streaming};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Prompt tokens whose KV is moved.
+    #[arg(long, default_value_t = 512)]
+    pub tokens: usize,
+    /// Repetitions of each method (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    pub rounds: usize,
+    /// Bytes per gRPC message on the TCP transport.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub chunk_bytes: usize,
+    #[command(flatten)]
+    pub transport: transport::TransportArgs,
+    /// Internal: run as the receiving process.
+    #[arg(long, hide = true)]
+    pub target: bool,
+}
+
+/// SmolLM2-135M's KV block: 30 layers x (K, V) x 3 heads x 64 dims x 16 positions x f16.
+const BLOCK_BYTES: usize = 30 * 2 * 3 * 64 * 16 * 2;
+
+struct Sink {
+    buf: std::sync::Mutex<Vec<u8>>,
+}
+
+#[tonic::async_trait]
+impl dpb::decode_server::Decode for Sink {
+    type GenerateStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<dpb::GenerateResponse, Status>> + Send>>;
+    async fn generate(&self, _r: Request<dpb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        Err(Status::unimplemented("kvbench target"))
+    }
+    async fn write_kv(&self, req: Request<Streaming<dpb::KvChunk>>) -> Result<Response<dpb::WriteKvResponse>, Status> {
+        let mut s = req.into_inner();
+        let mut off = 0usize;
+        while let Some(c) = s.message().await? {
+            let mut buf = self.buf.lock().unwrap_or_else(|e| e.into_inner());
+            let end = (off + c.data.len()).min(buf.len());
+            buf[off..end].copy_from_slice(&c.data[..end - off]);
+            off = end;
+        }
+        Ok(Response::new(dpb::WriteKvResponse { bytes: off as u64 }))
+    }
+    async fn load(&self, _r: Request<dpb::LoadRequest>) -> Result<Response<dpb::LoadResponse>, Status> {
+        Err(Status::unimplemented("kvbench target"))
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+async fn target(a: &Args) -> Result<(), String> {
+    let n = a.tokens.div_ceil(16) * BLOCK_BYTES;
+    let sink = std::sync::Arc::new(Sink { buf: std::sync::Mutex::new(vec![0u8; n]) });
+    let addr = sink.buf.lock().map(|b| b.as_ptr() as usize).unwrap_or(0);
+    let nixl = match transport::choose(&a.transport)? {
+        Some(_) => Some(Nixl::start("kvbench-target", addr, n)?),
+        None => None,
+    };
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
+    let grpc = l.local_addr().map_err(|e| e.to_string())?;
+    let md = nixl.as_ref().map(|x| x.metadata()).transpose()?.unwrap_or_default();
+    println!("{}", json!({ "md": md.iter().map(|b| format!("{b:02x}")).collect::<String>(), "addr": addr, "len": n, "grpc": grpc.to_string() }));
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    let svc = dpb::decode_server::DecodeServer::from_arc(sink).max_decoding_message_size(64 << 20);
+    let routes = tonic::service::Routes::new(svc);
+    // Serve (and drive NIXL progress) until the parent closes our stdin.
+    let stop = async {
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut line = String::new();
+            let _ = std::io::stdin().lock().read_line(&mut line);
+        })
+        .await;
+    };
+    if let Some(x) = nixl {
+        let x = std::sync::Arc::new(x);
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        transport::spawn_progress(x.clone(), || true, flag.clone());
+        pdmesh_core::grpc::serve_routes(routes, l, stop).await.map_err(|e| e.to_string())?;
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    } else {
+        pdmesh_core::grpc::serve_routes(routes, l, stop).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+pub async fn run(a: Args) -> Result<(), String> {
+    if a.target {
+        return target(&a).await;
+    }
+    let blocks = a.tokens.div_ceil(16);
+    let n = blocks * BLOCK_BYTES;
+    let mut child = std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
+        .args(["kvbench", "--target", "--tokens", &a.tokens.to_string()])
+        .args(["--kv-transport", if a.transport.kv_transport == transport::TransportChoice::Tcp { "tcp" } else { "auto" }])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().ok_or("no stdout")?).read_line(&mut line).map_err(|e| e.to_string())?;
+    let info: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("target said {line:?}: {e}"))?;
+    // Source bytes: a pattern, not zeros (zero pages could flatter a copy).
+    let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+    let mut dst = vec![0u8; n];
+    let mut report = serde_json::Map::new();
+    report.insert("bytes".into(), json!(n));
+    report.insert("tokens".into(), json!(a.tokens));
+    report.insert("blocks".into(), json!(blocks));
+
+    let mut t = Vec::new();
+    for _ in 0..a.rounds {
+        let t0 = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    let memcpy = median(t);
+    report.insert("memcpy".into(), json!({ "median_s": memcpy, "gb_per_s": n as f64 / memcpy / 1e9 }));
+
+    let md_hex = info["md"].as_str().unwrap_or_default();
+    if !md_hex.is_empty() && transport::choose(&a.transport)?.is_some() {
+        let md: Vec<u8> = (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
+        let nixl = Nixl::start("kvbench-source", src.as_ptr() as usize, n)?;
+        let ids: Vec<u32> = (0..blocks as u32).collect();
+        let (raddr, rlen) = (info["addr"].as_u64().unwrap_or(0) as usize, info["len"].as_u64().unwrap_or(0) as usize);
+        let mut t = Vec::new();
+        for i in 0..a.rounds + 1 {
+            let t0 = Instant::now();
+            nixl.write("target", &md, raddr, rlen, &ids, &ids, BLOCK_BYTES, "kvbench", Duration::from_secs(10))?;
+            if i > 0 {
+                t.push(t0.elapsed().as_secs_f64()); // the first one also connects
+            }
+        }
+        let s = median(t);
+        report.insert("nixl".into(), json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_memcpy": memcpy / s }));
+    } else {
+        report.insert("nixl".into(), json!({ "skipped": "NIXL not available" }));
+    }
+
+    let ch = pdmesh_core::grpc::lazy_channel(info["grpc"].as_str().unwrap_or_default())?;
+    let mut client = dpb::decode_client::DecodeClient::new(ch).max_encoding_message_size(64 << 20);
+    let mut t = Vec::new();
+    for i in 0..a.rounds + 1 {
+        let t0 = Instant::now();
+        let chunks: Vec<dpb::KvChunk> = src.chunks(a.chunk_bytes.max(1)).map(|c| dpb::KvChunk { data: c.to_vec(), ..Default::default() }).collect();
+        let r = client.write_kv(tokio_stream::iter(chunks)).await.map_err(|e| e.to_string())?;
+        if r.into_inner().bytes as usize != n {
+            return Err("the TCP target received a different byte count".into());
+        }
+        if i > 0 {
+            t.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let s = median(t);
+    report.insert("tcp".into(), json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_memcpy": memcpy / s, "chunk_bytes": a.chunk_bytes }));
+    drop(child.stdin.take());
+    let _ = child.wait();
+    report.insert("rounds".into(), json!(a.rounds));
+    println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(report)).unwrap_or_default());
+    Ok(())
+}
