@@ -171,7 +171,8 @@ impl Tickets {
         if !matches!(cur, TicketState::Open | TicketState::Claimed | TicketState::Writing) {
             return Err(TicketError::WrongState(id.into(), cur));
         }
-        Ok(self.update(id, now_ms, |t| t.lease_deadline_unix_ms = now_ms + lease_ms as u64))
+        // Extend only: a renewal never shortens a lease someone else set.
+        Ok(self.update(id, now_ms, |t| t.lease_deadline_unix_ms = t.lease_deadline_unix_ms.max(now_ms + lease_ms as u64)))
     }
 
     /// Expire leased tickets past their deadline (and expected ones never
@@ -235,6 +236,24 @@ mod tests {
         assert_eq!((state(&done), done.first_token, done.bytes), (TicketState::Done, Some(42), 1234));
         assert!(rx.has_changed().unwrap());
         assert_eq!(state(&rx.borrow()), TicketState::Done);
+    }
+
+    #[test]
+    fn a_write_begins_only_on_a_claimed_ticket_and_renewals_only_extend() {
+        let mut t = table();
+        t.open("w", "d0", vec![1, 2], 20, 5_000, 0).unwrap();
+        assert!(matches!(t.begin_write("w", 1), Err(TicketError::WrongState(_, TicketState::Open))));
+        // A shorter renewal does not cut the decode's lease.
+        assert_eq!(t.renew("w", 1_000, 10).unwrap().lease_deadline_unix_ms, 5_000);
+        assert_eq!(t.renew("w", 9_000, 10).unwrap().lease_deadline_unix_ms, 9_010);
+        t.claim("w", "p0", 20).unwrap();
+        assert_eq!(state(&t.begin_write("w", 30).unwrap()), TicketState::Writing);
+        assert_eq!(state(&t.complete("w", Ok(7), 10, 40).unwrap()), TicketState::Done);
+        // Once cancelled, no write may begin.
+        t.open("c", "d0", vec![3], 5, 5_000, 0).unwrap();
+        t.claim("c", "p0", 1).unwrap();
+        t.cancel("c", "client gone", 2);
+        assert!(matches!(t.begin_write("c", 3), Err(TicketError::WrongState(_, TicketState::Cancelled))));
     }
 
     #[test]

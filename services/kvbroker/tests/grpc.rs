@@ -114,6 +114,7 @@ async fn metrics_count_tickets_by_state_and_lease_expiries() {
         registry_dir: Some(dir.clone()),
         registry_ttl_s: 10,
         instance_id: Some("broker-0".into()),
+        ..Default::default()
     })
     .await;
     let reg = FileRegistry::new(&dir, Duration::from_secs(10));

@@ -17,6 +17,10 @@ pub struct Config {
     /// How long to wait for the decode worker to open the transfer ticket, in milliseconds.
     #[arg(long, env = "PDMESH_PREFILL_CLAIM_TIMEOUT_MS", default_value_t = 10_000)]
     pub claim_timeout_ms: u64,
+    /// While a prompt waits and runs, its ticket's lease is kept at least this
+    /// far ahead (renewed every quarter of it), in milliseconds.
+    #[arg(long, env = "PDMESH_PREFILL_LEASE_RENEW_MS", default_value_t = 10_000)]
+    pub lease_renew_ms: u64,
     /// Bytes per KV chunk on the TCP transport.
     #[arg(long, env = "PDMESH_PREFILL_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,

@@ -79,6 +79,7 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         broker: broker.clone(),
         worker_id,
         claim_timeout: Duration::from_millis(config.claim_timeout_ms),
+        lease_renew_ms: config.lease_renew_ms.clamp(100, 60_000),
         chunk_bytes: config.chunk_bytes,
         channels: Default::default(),
     };

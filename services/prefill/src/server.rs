@@ -34,6 +34,8 @@ pub struct Service {
     pub broker: Peers,
     pub worker_id: String,
     pub claim_timeout: Duration,
+    /// How far each renewal extends the ticket's lease while the prompt waits, in ms.
+    pub lease_renew_ms: u64,
     pub chunk_bytes: usize,
     /// Channels to decode workers, by address.
     pub channels: Mutex<HashMap<String, Channel>>,
@@ -84,7 +86,19 @@ impl Service {
             return Err(Status::invalid_argument("request_id is required"));
         }
         let params = pdmesh_worker::sampling(r.sampling.as_ref(), 1, &[], true);
-        let pinned = self.batcher.prefill(r.prompt_ids, params).await.map_err(|e| pdmesh_worker::status(&e))?;
+        // While the prompt waits and runs, keep the decode's reservation
+        // alive: this worker is alive and will write. If it dies, renewals
+        // stop and the lease frees the decode's blocks.
+        let job = self.batcher.prefill(r.prompt_ids, params);
+        tokio::pin!(job);
+        let period = Duration::from_millis((self.lease_renew_ms / 4).max(50));
+        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let pinned = loop {
+            tokio::select! {
+                p = &mut job => break p.map_err(|e| pdmesh_worker::status(&e))?,
+                _ = renew.tick() => self.renew(&r.request_id).await,
+            }
+        };
         let first = pinned.p.first_token;
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let mut claim = Request::new(kpb::ClaimTicketRequest { request_id: r.request_id.clone(), source_worker: self.worker_id.clone() });
@@ -141,6 +155,14 @@ impl Service {
                 Err(Status::unavailable(why))
             }
         }
+    }
+
+    /// Best effort: the ticket may not be open yet, or gone.
+    async fn renew(&self, request_id: &str) {
+        let Ok(mut b) = pdmesh_worker::broker(&self.broker, Duration::from_millis(200)).await else { return };
+        let mut req = Request::new(kpb::RenewLeaseRequest { request_id: request_id.into(), lease_ms: self.lease_renew_ms as u32 });
+        req.set_timeout(Duration::from_secs(1));
+        let _ = b.renew_lease(req).await;
     }
 
     async fn write_tcp_pinned(&self, ch: Channel, request_id: &str, pinned: &Pinned) -> Result<u64, Status> {

@@ -102,6 +102,7 @@ async fn announces_itself_serves_admin_endpoints_and_withdraws_on_shutdown() {
         registry_dir: Some(dir.clone()),
         registry_ttl_s: 10,
         instance_id: Some("tok-test".into()),
+        ..Default::default()
     };
     let svc = boot_with(common).await;
     let addr = svc.url.clone();
