@@ -33,6 +33,9 @@ pub struct Stats {
     pub queued: AtomicU32,
     /// Reserved and waiting for their KV.
     pub awaiting_kv: AtomicU32,
+    /// Blocks held for sequences that have not started (waiting for their
+    /// KV, or quarantined after a failed transfer).
+    pub kv_reserved: AtomicU32,
     pub kv_used: AtomicU32,
     pub kv_total: AtomicU32,
     pub steps: AtomicU64,
@@ -59,6 +62,7 @@ impl Batcher {
             running: AtomicU32::new(0),
             queued: AtomicU32::new(0),
             awaiting_kv: AtomicU32::new(0),
+            kv_reserved: AtomicU32::new(0),
             kv_used: AtomicU32::new(0),
             kv_total: AtomicU32::new(engine.kv.total() as u32),
             steps: AtomicU64::new(0),
@@ -70,7 +74,7 @@ impl Batcher {
         let s = stats.clone();
         std::thread::Builder::new()
             .name("decode-loop".into())
-            .spawn(move || Loop { engine, max_batch: max_batch.max(1), stats: s, ready: VecDeque::new(), running: Vec::new() }.run(rx))
+            .spawn(move || Loop { engine, max_batch: max_batch.max(1), stats: s, ready: VecDeque::new(), running: Vec::new(), reserved: Default::default() }.run(rx))
             .expect("spawn decode loop");
         Batcher { tx, stats }
     }
@@ -115,6 +119,8 @@ struct Loop {
     /// Started, waiting for a batch slot.
     ready: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Blocks of sequences reserved but not started.
+    reserved: std::collections::HashMap<SeqId, u32>,
 }
 
 fn reason(f: FinishReason) -> i32 {
@@ -170,6 +176,7 @@ impl Loop {
                 match r {
                     Ok((id, blocks)) => {
                         self.stats.awaiting_kv.fetch_add(1, Ordering::Relaxed);
+                        self.reserved.insert(id, blocks.len() as u32);
                         if reply.send(Ok((id, blocks))).is_err() {
                             // The caller is gone already.
                             self.release_reserved(id);
@@ -185,6 +192,7 @@ impl Loop {
             }
             Cmd::Start { seq, first_token, events } => {
                 self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
+                self.reserved.remove(&seq);
                 let n_prompt = self.engine.prompt_len(seq).unwrap_or(0) as u32;
                 match self.engine.attach_first_token(seq, first_token) {
                     Ok(ev) => {
@@ -205,6 +213,7 @@ impl Loop {
     }
 
     fn release_reserved(&mut self, seq: SeqId) {
+        self.reserved.remove(&seq);
         if self.engine.release(seq).is_ok() {
             self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
         }
@@ -281,5 +290,6 @@ impl Loop {
         self.stats.running.store(self.running.len() as u32, Ordering::Relaxed);
         self.stats.queued.store(self.ready.len() as u32, Ordering::Relaxed);
         self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
+        self.stats.kv_reserved.store(self.reserved.values().sum(), Ordering::Relaxed);
     }
 }

@@ -28,6 +28,7 @@ fn render(st: &Stats) -> String {
         .gauge("pdmesh_decode_queued", "Sequences with their KV, waiting for a batch slot.", g(&st.queued))
         .gauge("pdmesh_decode_awaiting_kv", "Admitted sequences waiting for their prompt's KV.", g(&st.awaiting_kv))
         .gauge("pdmesh_decode_kv_blocks_used", "KV blocks reserved or in use.", g(&st.kv_used))
+        .gauge("pdmesh_decode_kv_blocks_pinned", "KV blocks held for requests not yet started (waiting for their KV, or quarantined after a failed transfer).", g(&st.kv_reserved))
         .gauge("pdmesh_decode_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
         .counter("pdmesh_decode_steps_total", "Decode steps run.", st.steps.load(Ordering::Relaxed))
         .counter("pdmesh_decode_tokens_total", "Tokens streamed (including each first token).", st.tokens.load(Ordering::Relaxed))

@@ -214,7 +214,7 @@ impl pb::decode_server::Decode for Service {
             queued: st.queued.load(Ordering::Relaxed) + st.awaiting_kv.load(Ordering::Relaxed),
             kv_blocks_used: st.kv_used.load(Ordering::Relaxed),
             kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
-            kv_blocks_pinned: 0,
+            kv_blocks_pinned: st.kv_reserved.load(Ordering::Relaxed),
         }))
     }
 }

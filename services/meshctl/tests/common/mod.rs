@@ -292,7 +292,7 @@ impl Mesh {
             let mut snapshot = String::new();
             let mut fine = true;
             for (_, m) in self.metrics_all("decode").await {
-                fine &= ["pdmesh_decode_kv_blocks_used", "pdmesh_decode_awaiting_kv", "pdmesh_decode_running", "pdmesh_decode_queued"].iter().all(|n| g(&m, n) == 0.0);
+                fine &= ["pdmesh_decode_kv_blocks_used", "pdmesh_decode_kv_blocks_pinned", "pdmesh_decode_awaiting_kv", "pdmesh_decode_running", "pdmesh_decode_queued"].iter().all(|n| g(&m, n) == 0.0);
                 snapshot.push_str(&m);
             }
             for (_, m) in self.metrics_all("prefill").await {
