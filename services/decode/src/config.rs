@@ -11,17 +11,10 @@ pub struct Config {
     /// Address prefill workers use to reach this worker (default: the bound listen address).
     #[arg(long, env = "PDMESH_DECODE_ADVERTISE_ADDR")]
     pub advertise_addr: Option<String>,
-    /// kvbroker address(es); default: found in the registry.
-    #[arg(long = "kvbroker-addr", env = "PDMESH_KVBROKER_ADDR", value_delimiter = ',')]
-    pub kvbroker_addr: Vec<String>,
     /// Lease of a transfer ticket, in milliseconds: how long reserved blocks
     /// wait for the prefill's KV before the ticket expires and they are freed.
     #[arg(long, env = "PDMESH_DECODE_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u32,
     #[command(flatten)]
-    pub engine: pdmesh_worker::EngineArgs,
-    #[command(flatten)]
-    pub transport: pdmesh_worker::transport::TransportArgs,
-    #[command(flatten)]
-    pub common: pdmesh_core::args::CommonArgs,
+    pub worker: pdmesh_worker::WorkerArgs,
 }

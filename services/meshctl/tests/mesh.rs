@@ -53,19 +53,7 @@ async fn mesh_end_to_end() {
         }
     }
     // ... and 16 at once.
-    let mut tasks = Vec::new();
-    for i in 0..16 {
-        let item = g[i % g.len()].clone();
-        let mut r = router.clone();
-        tasks.push(tokio::spawn(async move {
-            let o = run(&mut r, chat_request(item["prompt"].as_str().unwrap(), 32, true)).await.expect("request");
-            (o.ids, ids(&item["greedy_ids_32_ignore_eos"]))
-        }));
-    }
-    for t in tasks {
-        let (got, want) = t.await.unwrap();
-        assert_eq!(got, want, "a request changed tokens when 16 ran at once");
-    }
+    common::golden_at_once(&router, 16).await;
     assert!(mesh.gauge("decode", "pdmesh_decode_steps_total").await > 0.0);
     // The KV moved over NIXL (CI installs the nixl-cu12 wheel), never over TCP.
     assert!(mesh.gauge("prefill", "pdmesh_prefill_kv_transfers_total{transport=\"nixl\"}").await >= 22.0);

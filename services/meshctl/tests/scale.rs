@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{chat_body, chat_request, golden, ids, run, start_stream, Mesh};
+use common::{chat_body, start_stream, Mesh};
 use pdmesh_core::http::metric;
 use pdmesh_testkit::eventually_async;
 
@@ -17,20 +17,7 @@ async fn two_decode_workers_share_the_load() {
     let mesh = Mesh::up(&["--decode-replicas", "2", "--decode-kv-blocks", "200", "--prefill-replicas", "1", "--threads", "1", "--kv-transport", "tcp"]);
     assert!(eventually_async(Duration::from_secs(30), || async { mesh.metrics_all("decode").await.len() == 2 }).await);
     let router = mesh.router().await;
-    let g = golden();
-    let mut tasks = Vec::new();
-    for i in 0..8 {
-        let item = g[i % g.len()].clone();
-        let mut r = router.clone();
-        tasks.push(tokio::spawn(async move {
-            let o = run(&mut r, chat_request(item["prompt"].as_str().unwrap(), 32, true)).await.expect("request");
-            (o.ids, ids(&item["greedy_ids_32_ignore_eos"]))
-        }));
-    }
-    for t in tasks {
-        let (got, want) = t.await.unwrap();
-        assert_eq!(got, want);
-    }
+    common::golden_at_once(&router, 8).await;
     let p = mesh.metrics("prefill").await;
     assert!(metric(&p, "pdmesh_prefill_kv_transfers_total{transport=\"tcp\"}").unwrap() >= 8.0, "{p}");
     assert_eq!(metric(&p, "pdmesh_prefill_kv_transfers_total{transport=\"nixl\"}"), Some(0.0));

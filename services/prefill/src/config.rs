@@ -8,9 +8,6 @@ pub struct Config {
     /// gRPC listen address.
     #[arg(long, env = "PDMESH_PREFILL_LISTEN", default_value = "127.0.0.1:50071")]
     pub listen: SocketAddr,
-    /// kvbroker address(es); default: found in the registry.
-    #[arg(long = "kvbroker-addr", env = "PDMESH_KVBROKER_ADDR", value_delimiter = ',')]
-    pub kvbroker_addr: Vec<String>,
     /// Most prompt tokens in one batched prefill step (over all sequences).
     #[arg(long, env = "PDMESH_PREFILL_BATCH_TOKENS", default_value_t = 2048)]
     pub batch_tokens: usize,
@@ -25,9 +22,5 @@ pub struct Config {
     #[arg(long, env = "PDMESH_PREFILL_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
     #[command(flatten)]
-    pub engine: pdmesh_worker::EngineArgs,
-    #[command(flatten)]
-    pub transport: pdmesh_worker::transport::TransportArgs,
-    #[command(flatten)]
-    pub common: pdmesh_core::args::CommonArgs,
+    pub worker: pdmesh_worker::WorkerArgs,
 }

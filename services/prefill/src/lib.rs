@@ -51,11 +51,11 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     if config.chunk_bytes == 0 || config.chunk_bytes > 32 << 20 {
         return Err(ServeError::Setup(format!("--chunk-bytes must be 1..=33554432, got {}", config.chunk_bytes)));
     }
-    let nixl_lib = pdmesh_worker::transport::choose(&config.transport).map_err(ServeError::Setup)?;
+    let nixl_lib = pdmesh_worker::transport::choose(&config.worker.transport).map_err(ServeError::Setup)?;
     let transport = if nixl_lib.is_some() { "nixl" } else { "tcp" };
-    let (admin, engine, stats_slot) = pdmesh_worker::boot("prefill", serde_json::to_value(&config).unwrap_or_default(), &config.common, &config.engine, transport, render).await?;
+    let (admin, engine, stats_slot) = pdmesh_worker::boot("prefill", serde_json::to_value(&config).unwrap_or_default(), &config.worker.common, &config.worker.engine, transport, render).await?;
     let layout = engine.kv.layout;
-    let worker_id = config.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
+    let worker_id = config.worker.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
     let nixl = match nixl_lib {
         Some(_) => {
             let (addr, len) = engine.kv.arena();
@@ -63,9 +63,9 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         }
         None => None,
     };
-    let batcher = Batcher::start(engine, config.engine.max_batch, config.batch_tokens);
+    let batcher = Batcher::start(engine, config.worker.engine.max_batch, config.batch_tokens);
     let _ = stats_slot.set(batcher.stats.clone());
-    let broker = Peers::resolve(&config.common, "kvbroker", &config.kvbroker_addr).map_err(ServeError::Setup)?;
+    let broker = Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
     let agent = kpb::Agent {
         worker_id: worker_id.clone(),
         transport: if nixl.is_some() { kpb::Transport::Nixl } else { kpb::Transport::Tcp } as i32,
@@ -84,5 +84,5 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         channels: Default::default(),
     };
     let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));
-    pdmesh_worker::serve_worker("prefill", "pdmesh.prefill.v1.Prefill", routes, &config.common, admin, listener, shutdown, agent, broker).await
+    pdmesh_worker::serve_worker("prefill", "pdmesh.prefill.v1.Prefill", routes, &config.worker.common, admin, listener, shutdown, agent, broker).await
 }

@@ -13,6 +13,20 @@ use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use tonic::Status;
 
+/// Flags every worker (prefill, decode) has beside its own.
+#[derive(clap::Args, Debug, Clone, serde::Serialize)]
+pub struct WorkerArgs {
+    /// kvbroker address(es); default: found in the registry.
+    #[arg(long = "kvbroker-addr", env = "PDMESH_KVBROKER_ADDR", value_delimiter = ',')]
+    pub kvbroker_addr: Vec<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub transport: transport::TransportArgs,
+    #[command(flatten)]
+    pub common: pdmesh_core::args::CommonArgs,
+}
+
 /// Engine flags of a worker (each also an environment variable).
 #[derive(clap::Args, Debug, Clone, serde::Serialize)]
 pub struct EngineArgs {

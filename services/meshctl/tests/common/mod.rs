@@ -321,3 +321,22 @@ pub fn raw_request(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
         ignore_eos: true,
     }
 }
+
+/// `n` greedy chat requests at once (the golden prompts, cycled), 32 tokens
+/// each with EOS ignored; every one must equal the golden ids.
+pub async fn golden_at_once(router: &pb::router_client::RouterClient<tonic::transport::Channel>, n: usize) {
+    let g = golden();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let item = g[i % g.len()].clone();
+        let mut r = router.clone();
+        tasks.push(tokio::spawn(async move {
+            let o = run(&mut r, chat_request(item["prompt"].as_str().unwrap(), 32, true)).await.expect("request");
+            (o.ids, ids(&item["greedy_ids_32_ignore_eos"]))
+        }));
+    }
+    for t in tasks {
+        let (got, want) = t.await.unwrap();
+        assert_eq!(got, want, "a request changed tokens when {n} ran at once");
+    }
+}
