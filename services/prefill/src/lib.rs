@@ -6,6 +6,7 @@
 pub mod batcher;
 pub mod config;
 pub mod server;
+pub mod transport;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -72,16 +73,18 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         layout: Some(pdmesh_worker::layout_to_wire(&layout)),
         ..Default::default()
     };
+    let mut transports: Vec<Box<dyn transport::KvTransport>> = Vec::new();
+    if let Some(n) = nixl.clone() {
+        transports.push(Box::new(transport::NixlTransport { nixl: n, layout }));
+    }
+    transports.push(Box::new(transport::TcpTransport { chunk_bytes: config.chunk_bytes, channels: Default::default() }));
     let svc = server::Service {
         batcher,
-        nixl,
-        layout,
+        transports,
         broker: broker.clone(),
         worker_id,
         claim_timeout: Duration::from_millis(config.claim_timeout_ms),
         lease_renew_ms: config.lease_renew_ms.clamp(100, 60_000),
-        chunk_bytes: config.chunk_bytes,
-        channels: Default::default(),
     };
     let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));
     pdmesh_worker::serve_worker("prefill", "pdmesh.prefill.v1.Prefill", routes, &config.worker.common, admin, listener, shutdown, agent, broker).await

@@ -2,83 +2,45 @@
 //! claim the transfer ticket, write the KV into the decode worker's
 //! reserved blocks (TCP transport: a WriteKv stream), complete the ticket.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::outcome_of;
 use pdmesh_core::peers::Peers;
-use std::sync::Arc;
 
-use pdmesh_engine::{KvBlob, KvLayout};
-use pdmesh_worker::transport::Nixl;
-use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use pdmesh_proto::prefill::v1 as pb;
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::batcher::{Batcher, Pinned};
+use crate::batcher::Batcher;
+use crate::transport::KvTransport;
 
 /// Least lease time left for a KV write to start, in milliseconds.
 const WRITE_MARGIN_MS: u64 = 500;
-/// Longest a NIXL write may run (the decode quarantines abandoned blocks for 2 s).
-const MAX_WRITE_MS: u64 = 1_500;
+
 
 pub struct Service {
     pub batcher: Batcher,
-    /// This worker's NIXL agent (its arena registered), when NIXL loaded.
-    pub nixl: Option<Arc<Nixl>>,
-    pub layout: KvLayout,
+    /// In order of preference: NIXL (when it loaded), then TCP.
+    pub transports: Vec<Box<dyn KvTransport>>,
     pub broker: Peers,
     pub worker_id: String,
     pub claim_timeout: Duration,
     /// How far each renewal extends the ticket's lease while the prompt waits, in ms.
     pub lease_renew_ms: u64,
-    pub chunk_bytes: usize,
-    /// Channels to decode workers, by address.
-    pub channels: Mutex<HashMap<String, Channel>>,
+
 }
 
 impl Service {
     /// The decode worker's transfer endpoint, asked of the broker for every
     /// transfer (a restarted decode keeps its id but has a new arena and
-    /// NIXL agent); channels are cached by address.
-    async fn agent(&self, broker: &mut pdmesh_worker::BrokerClient, worker: &str) -> Result<(kpb::Agent, Channel), Status> {
-        let agent = broker
+    /// NIXL agent).
+    async fn agent(&self, broker: &mut pdmesh_worker::BrokerClient, worker: &str) -> Result<kpb::Agent, Status> {
+        Ok(broker
             .get_agent(kpb::GetAgentRequest { worker_id: worker.into() })
             .await
             .map_err(|e| Status::unavailable(format!("decode worker {worker} is unknown to the kvbroker: {}", e.message())))?
-            .into_inner();
-        let mut m = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        let ch = match m.get(&agent.address) {
-            Some(c) => c.clone(),
-            None => {
-                let c = pdmesh_core::grpc::lazy_channel(&agent.address).map_err(Status::internal)?;
-                m.insert(agent.address.clone(), c.clone());
-                c
-            }
-        };
-        Ok((agent, ch))
-    }
-
-    /// Stream the blob into the decode worker's reserved blocks.
-    async fn write_tcp(&self, ch: Channel, request_id: &str, blob: &KvBlob) -> Result<u64, Status> {
-        let layout = pdmesh_worker::layout_to_wire(&blob.layout);
-        let mut chunks = Vec::new();
-        for (i, c) in blob.bytes.chunks(self.chunk_bytes.max(1)).enumerate() {
-            let mut k = dpb::KvChunk { data: c.to_vec(), ..Default::default() };
-            if i == 0 {
-                k.request_id = request_id.into();
-                k.layout = Some(layout.clone());
-                k.n_tokens = blob.n_tokens as u32;
-            }
-            chunks.push(k);
-        }
-        let mut client = dpb::decode_client::DecodeClient::new(ch).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
-        let r = client.write_kv(tokio_stream::iter(chunks)).await?;
-        Ok(r.into_inner().bytes)
+            .into_inner())
     }
 
     async fn run(&self, r: pb::PrefillRequest) -> Result<pb::PrefillResponse, Status> {
@@ -114,10 +76,25 @@ impl Service {
             let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
             return Err(Status::failed_precondition(why));
         }
-        let (agent, ch) = self.agent(&mut broker, &ticket.dest_worker).await?;
+        let agent = self.agent(&mut broker, &ticket.dest_worker).await?;
+        let transport = self.transports.iter().find(|t| t.reaches(&agent)).ok_or_else(|| Status::failed_precondition(format!("no transport reaches decode worker {}", ticket.dest_worker)))?;
         let stall = pdmesh_core::faults::get("prefill.transfer_delay_ms");
         if stall > 0 {
-            tokio::time::sleep(Duration::from_millis(stall)).await;
+            // While stalled, follow the ticket: if it ends, give up at once.
+            let mut watch = broker.watch_ticket(kpb::WatchTicketRequest { request_id: r.request_id.clone() }).await?.into_inner();
+            let ended = async {
+                while let Ok(Some(t)) = watch.message().await {
+                    let s = kpb::TicketState::try_from(t.state).unwrap_or(kpb::TicketState::Unspecified);
+                    if matches!(s, kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired) {
+                        return Status::failed_precondition(format!("transfer ticket {} while the write was pending: {}", s.as_str_name(), t.reason));
+                    }
+                }
+                std::future::pending::<Status>().await
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(stall)) => {}
+                e = ended => return Err(e),
+            }
         }
         // Never start a write the lease may not cover: once it expires the
         // decode frees (and may reuse) the destination blocks.
@@ -132,25 +109,22 @@ impl Service {
             .await
             .map_err(|e| Status::failed_precondition(format!("transfer ticket ended before the write began: {}", e.message())))?;
         let t0 = Instant::now();
-        let use_nixl = self.nixl.is_some() && agent.transport == kpb::Transport::Nixl as i32 && agent.layout.as_ref() == Some(&pdmesh_worker::layout_to_wire(&self.layout));
-        let moved = if use_nixl { self.write_nixl(&agent, &ticket, &pinned).await } else { self.write_tcp_pinned(ch, &r.request_id, &pinned).await };
+        let moved = transport.write(&agent, &ticket, &pinned).await;
         drop(pinned); // the KV is in the decode's blocks (or failed): free ours
-        let transport = if use_nixl { "nixl" } else { "tcp" };
+        let name = transport.name();
         match moved {
             Ok(bytes) => {
                 let st = &self.batcher.stats;
                 st.transfer_seconds.observe(t0.elapsed().as_secs_f64());
                 st.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
-                if use_nixl { &st.transfers_nixl } else { &st.transfers_tcp }.fetch_add(1, Ordering::Relaxed);
+                if name == "nixl" { &st.transfers_nixl } else { &st.transfers_tcp }.fetch_add(1, Ordering::Relaxed);
                 let done = kpb::CompleteTicketRequest { request_id: r.request_id.clone(), outcome: Some(kpb::complete_ticket_request::Outcome::FirstToken(first)), bytes };
                 broker.complete_ticket(done).await.map_err(|e| Status::failed_precondition(format!("ticket could not be completed: {}", e.message())))?;
-                Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: transport.into() })
+                Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: name.into() })
             }
             Err(e) => {
-                if let Some(n) = &self.nixl {
-                    n.forget(&ticket.dest_worker);
-                }
-                let why = format!("writing the KV to {} over {transport} failed: {}", ticket.dest_worker, e.message());
+                transport.forget(&ticket.dest_worker);
+                let why = format!("writing the KV to {} over {name} failed: {}", ticket.dest_worker, e.message());
                 let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
                 Err(Status::unavailable(why))
             }
@@ -163,36 +137,6 @@ impl Service {
         let mut req = Request::new(kpb::RenewLeaseRequest { request_id: request_id.into(), lease_ms: self.lease_renew_ms as u32 });
         req.set_timeout(Duration::from_secs(1));
         let _ = b.renew_lease(req).await;
-    }
-
-    async fn write_tcp_pinned(&self, ch: Channel, request_id: &str, pinned: &Pinned) -> Result<u64, Status> {
-        let blob = pinned.export().await.map_err(|e| pdmesh_worker::status(&e))?;
-        self.write_tcp(ch, request_id, &blob).await
-    }
-
-    /// NIXL WRITE of the pinned blocks into the ticket's destination blocks,
-    /// bounded by the ticket's lease.
-    async fn write_nixl(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status> {
-        let nixl = self.nixl.clone().expect("checked by the caller");
-        let n = pinned.p.blocks.len();
-        if ticket.dest_blocks.len() < n {
-            return Err(Status::failed_precondition(format!("decode reserved {} blocks, the prompt fills {n}", ticket.dest_blocks.len())));
-        }
-        let (src, dst) = (pinned.p.blocks.clone(), ticket.dest_blocks[..n].to_vec());
-        let (worker, md, addr) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), agent.arena_addr as usize);
-        let remote_len = agent.arena_len as usize;
-        let block_bytes = self.layout.block_bytes();
-        if agent.block_bytes as usize != block_bytes {
-            return Err(Status::failed_precondition(format!("decode blocks are {} bytes, ours {block_bytes}", agent.block_bytes)));
-        }
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        // Bounded by the lease and by the decode's quarantine of abandoned blocks.
-        let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
-        let note = ticket.request_id.clone();
-        tokio::task::spawn_blocking(move || nixl.write(&worker, &md, addr, remote_len, &src, &dst, block_bytes, &note, timeout))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::unavailable)
     }
 }
 

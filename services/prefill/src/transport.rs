@@ -1,0 +1,126 @@
+//! How a prefill worker moves a prompt's KV into the blocks a decode worker
+//! reserved: [`KvTransport`], with NIXL (one-sided WRITE from the pinned
+//! blocks, arena registered once) and TCP (a copy streamed to the decode's
+//! `WriteKv`). The prefill uses the first transport that reaches the decode.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pdmesh_engine::KvLayout;
+use pdmesh_proto::decode::v1 as dpb;
+use pdmesh_proto::kvbroker::v1 as kpb;
+use pdmesh_worker::transport::Nixl;
+use tonic::transport::Channel;
+use tonic::Status;
+
+use crate::batcher::Pinned;
+
+/// Longest a NIXL write may run (the decode quarantines abandoned blocks for 2 s).
+pub const MAX_WRITE_MS: u64 = 1_500;
+
+#[tonic::async_trait]
+pub trait KvTransport: Send + Sync {
+    /// "nixl" or "tcp": in /statusz, metrics and responses.
+    fn name(&self) -> &'static str;
+    /// Whether this transport can write into `agent`'s blocks.
+    fn reaches(&self, agent: &kpb::Agent) -> bool;
+    /// Write the pinned prompt KV into the ticket's destination blocks;
+    /// returns the bytes moved.
+    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status>;
+    /// Drop cached state about a worker after a failed write.
+    fn forget(&self, _worker: &str) {}
+}
+
+pub struct NixlTransport {
+    pub nixl: Arc<Nixl>,
+    pub layout: KvLayout,
+}
+
+#[tonic::async_trait]
+impl KvTransport for NixlTransport {
+    fn name(&self) -> &'static str {
+        "nixl"
+    }
+
+    fn reaches(&self, agent: &kpb::Agent) -> bool {
+        agent.transport == kpb::Transport::Nixl as i32 && agent.layout.as_ref() == Some(&pdmesh_worker::layout_to_wire(&self.layout)) && !agent.nixl_metadata.is_empty()
+    }
+
+    /// Bounded by the ticket's lease and by [`MAX_WRITE_MS`].
+    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status> {
+        let n = pinned.p.blocks.len();
+        if ticket.dest_blocks.len() < n {
+            return Err(Status::failed_precondition(format!("decode reserved {} blocks, the prompt fills {n}", ticket.dest_blocks.len())));
+        }
+        let block_bytes = self.layout.block_bytes();
+        if agent.block_bytes as usize != block_bytes {
+            return Err(Status::failed_precondition(format!("decode blocks are {} bytes, ours {block_bytes}", agent.block_bytes)));
+        }
+        let nixl = self.nixl.clone();
+        let (src, dst) = (pinned.p.blocks.clone(), ticket.dest_blocks[..n].to_vec());
+        let (worker, md, addr, len) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), agent.arena_addr as usize, agent.arena_len as usize);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
+        let note = ticket.request_id.clone();
+        tokio::task::spawn_blocking(move || nixl.write(&worker, &md, addr, len, &src, &dst, block_bytes, &note, timeout))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::unavailable)
+    }
+
+    fn forget(&self, worker: &str) {
+        self.nixl.forget(worker);
+    }
+}
+
+pub struct TcpTransport {
+    pub chunk_bytes: usize,
+    /// Channels to decode workers, by address.
+    pub channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl TcpTransport {
+    fn channel(&self, addr: &str) -> Result<Channel, Status> {
+        let mut m = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = pdmesh_core::grpc::lazy_channel(addr).map_err(Status::internal)?;
+        m.insert(addr.into(), c.clone());
+        Ok(c)
+    }
+}
+
+#[tonic::async_trait]
+impl KvTransport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn reaches(&self, agent: &kpb::Agent) -> bool {
+        !agent.address.is_empty()
+    }
+
+    /// A copy of the blocks, streamed in `chunk_bytes` messages.
+    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status> {
+        let blob = pinned.export().await.map_err(|e| pdmesh_worker::status(&e))?;
+        let layout = pdmesh_worker::layout_to_wire(&blob.layout);
+        let chunks: Vec<dpb::KvChunk> = blob
+            .bytes
+            .chunks(self.chunk_bytes.max(1))
+            .enumerate()
+            .map(|(i, c)| {
+                let mut k = dpb::KvChunk { data: c.to_vec(), ..Default::default() };
+                if i == 0 {
+                    k.request_id = ticket.request_id.clone();
+                    k.layout = Some(layout.clone());
+                    k.n_tokens = blob.n_tokens as u32;
+                }
+                k
+            })
+            .collect();
+        let mut client = dpb::decode_client::DecodeClient::new(self.channel(&agent.address)?).max_encoding_message_size(64 << 20);
+        Ok(client.write_kv(tokio_stream::iter(chunks)).await?.into_inner().bytes)
+    }
+}
