@@ -56,7 +56,16 @@ pub async fn collect(dir: &std::path::Path, ttl: Duration) -> Result<Vec<serde_j
                         Some(_) => "not ready",
                         None => "unreachable",
                     };
-                    (health, m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({})))
+                    let mut load = m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({}));
+                    if matches!(s, "prefill" | "decode") {
+                        let h4 = h.clone();
+                        let st = tokio::task::spawn_blocking(move || get(&h4, "/statusz", Duration::from_secs(2))).await.ok().and_then(Result::ok);
+                        let v: serde_json::Value = st.and_then(|(_, b)| serde_json::from_str(&b).ok()).unwrap_or_default();
+                        if let Some(t) = v["config"]["transport"].as_str() {
+                            load["transport"] = json!(t);
+                        }
+                    }
+                    (health, load)
                 }
                 None => ("unknown", json!({})),
             };
