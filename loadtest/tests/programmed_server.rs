@@ -1,0 +1,123 @@
+//! The tool's numbers against an in-test OpenAI-compatible server whose
+//! latencies are programmed: what it reports must be what the server was
+//! told to do, within stated tolerances; a server that stops mid-stream
+//! yields stalled requests (with ids), not a hung tool; refusals are errors
+//! by kind.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use pdmesh_loadtest::client::Outcome;
+use pdmesh_loadtest::report::{aggregate, Slo};
+use pdmesh_loadtest::run::{closed_loop, Workload};
+
+#[derive(Clone)]
+struct Program {
+    ttft: Duration,
+    interval: Duration,
+    tokens: usize,
+    /// Stop sending (but keep the connection open) after this many tokens.
+    stall_after: Option<usize>,
+    status: u16,
+}
+
+async fn chat(State(p): State<Arc<Program>>, _body: Bytes) -> Response {
+    if p.status != 200 {
+        let body = serde_json::json!({ "error": { "message": "programmed refusal", "type": "rate_limit_error" } });
+        return (StatusCode::from_u16(p.status).unwrap(), body.to_string()).into_response();
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
+    tokio::spawn(async move {
+        tokio::time::sleep(p.ttft).await;
+        for i in 0..p.tokens {
+            if i > 0 {
+                tokio::time::sleep(p.interval).await;
+            }
+            if p.stall_after == Some(i) {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            let c = serde_json::json!({ "choices": [{ "index": 0, "delta": { "content": "tok " }, "finish_reason": null }] });
+            if tx.send(Ok(Bytes::from(format!("data: {c}\n\n")))).await.is_err() {
+                return;
+            }
+        }
+        let u = serde_json::json!({ "choices": [], "usage": { "prompt_tokens": 5, "completion_tokens": p.tokens } });
+        let _ = tx.send(Ok(Bytes::from(format!("data: {u}\n\ndata: [DONE]\n\n")))).await;
+    });
+    ([("content-type", "text/event-stream")], Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))).into_response()
+}
+
+async fn server(p: Program) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let app = axum::Router::new().route("/v1/chat/completions", axum::routing::post(chat)).with_state(Arc::new(p));
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    addr
+}
+
+fn workload(addr: String, stall: Duration) -> Workload {
+    Workload { addr, model: "m".into(), max_tokens: 16, seed: 7, stall, timeout: Duration::from_secs(30), temperature: 0.0 }
+}
+
+fn stop() -> Arc<std::sync::atomic::AtomicBool> {
+    Arc::new(std::sync::atomic::AtomicBool::new(false))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_what_the_server_was_programmed_to_do() {
+    let (ttft, interval, tokens) = (Duration::from_millis(200), Duration::from_millis(20), 16);
+    let addr = server(Program { ttft, interval, tokens, stall_after: None, status: 200 }).await;
+    let w = workload(addr, Duration::from_secs(5));
+    let (records, wall) = closed_loop(&w, 4, 12, Duration::from_secs(60), stop(), 0).await;
+    let p = aggregate(4, &records, wall, Slo { ttft_s: 0.5, tpot_s: 0.05 });
+    assert_eq!((p.ok, p.errors, p.stalled), (12, 0, 0));
+    assert_eq!(p.output_tokens, 12 * tokens, "usage chunks give the token count");
+    // Tolerances: TTFT within +60 ms (scheduling, loopback), never below; gaps within +-10 ms at the median.
+    let t = p.ttft_s.as_ref().unwrap();
+    assert!(t.p50 >= 0.2 && t.p50 < 0.26, "TTFT p50 {}", t.p50);
+    let g = p.inter_token_s.as_ref().unwrap();
+    assert!((g.p50 - 0.020).abs() < 0.010, "inter-token p50 {}", g.p50);
+    let tpot = p.tpot_s.as_ref().unwrap();
+    assert!((tpot.p50 - 0.020).abs() < 0.010, "TPOT p50 {}", tpot.p50);
+    // Each client does 3 requests of ~0.2 + 15 x 0.02 = 0.5 s: about 1.5 s of wall, 4 x 16 tokens per 0.5 s.
+    let expected_tps = 4.0 * tokens as f64 / 0.5;
+    assert!(p.output_tokens_per_s > expected_tps * 0.75 && p.output_tokens_per_s <= expected_tps * 1.05, "{} tok/s vs {expected_tps}", p.output_tokens_per_s);
+    // All met the SLO.
+    assert!((p.goodput_rps - p.requests_per_s).abs() < 1e-9);
+    // A tighter TTFT SLO than the server's: no goodput.
+    let p2 = aggregate(4, &records, wall, Slo { ttft_s: 0.1, tpot_s: 0.05 });
+    assert_eq!(p2.goodput_rps, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_stops_mid_stream_gives_stalled_requests_not_a_hang() {
+    let addr = server(Program { ttft: Duration::from_millis(50), interval: Duration::from_millis(10), tokens: 16, stall_after: Some(5), status: 200 }).await;
+    let w = workload(addr, Duration::from_millis(500));
+    let t0 = Instant::now();
+    let (records, wall) = closed_loop(&w, 2, 4, Duration::from_secs(60), stop(), 0).await;
+    assert!(t0.elapsed() < Duration::from_secs(5), "the tool hung for {:?}", t0.elapsed());
+    let p = aggregate(2, &records, wall, Slo { ttft_s: 1.0, tpot_s: 1.0 });
+    assert_eq!((p.ok, p.errors, p.stalled), (0, 0, 4));
+    assert_eq!(p.stalled_ids.len(), 4);
+    assert!(p.stalled_ids.iter().all(|id| id.starts_with("lt-7-0-")), "{:?}", p.stalled_ids);
+    assert!(records.iter().all(|r| r.outcome == Outcome::Stalled && r.chunks == 5 && r.ttft_s.is_some()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_and_dead_targets_are_errors_by_kind() {
+    let addr = server(Program { ttft: Duration::ZERO, interval: Duration::ZERO, tokens: 1, stall_after: None, status: 429 }).await;
+    let (records, wall) = closed_loop(&workload(addr, Duration::from_secs(5)), 2, 4, Duration::from_secs(60), stop(), 0).await;
+    let p = aggregate(2, &records, wall, Slo { ttft_s: 1.0, tpot_s: 1.0 });
+    assert_eq!(p.errors, 4);
+    assert_eq!(p.error_kinds.get("http_429"), Some(&4));
+    assert!(matches!(&records[0].outcome, Outcome::Http { status: 429, message } if message == "programmed refusal"));
+    // Nothing listens: transport errors, quickly.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (records, wall) = closed_loop(&workload(dead, Duration::from_secs(5)), 2, 2, Duration::from_secs(60), stop(), 0).await;
+    let p = aggregate(2, &records, wall, Slo { ttft_s: 1.0, tpot_s: 1.0 });
+    assert_eq!(p.error_kinds.get("transport"), Some(&2));
+}
