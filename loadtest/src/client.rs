@@ -41,6 +41,9 @@ pub struct Record {
     /// Completion tokens, from the usage chunk when the server sends one, else `chunks`.
     pub output_tokens: usize,
     pub outcome: Outcome,
+    /// The generated text (kept for multi-turn sessions; never written out).
+    #[serde(skip)]
+    pub text: String,
 }
 
 pub struct Request<'a> {
@@ -64,6 +67,7 @@ pub async fn send(req: Request<'_>, t_run: Instant) -> Record {
         chunks: 0,
         output_tokens: 0,
         outcome: Outcome::Ok,
+        text: String::new(),
     };
     let deadline = t0 + req.timeout;
     let outcome = match tokio::time::timeout_at(deadline.into(), exchange(&req, t0, &mut rec)).await {
@@ -145,9 +149,14 @@ async fn exchange(req: &Request<'_>, t0: Instant, rec: &mut Record) -> Outcome {
             if let Some(u) = v.get("usage").and_then(|u| u.get("completion_tokens")).and_then(|c| c.as_u64()) {
                 rec.output_tokens = u as usize;
             }
-            let has_content = v["choices"].as_array().is_some_and(|cs| {
-                cs.iter().any(|c| c["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()) || c["text"].as_str().is_some_and(|t| !t.is_empty()))
-            });
+            let mut piece = String::new();
+            for c in v["choices"].as_array().into_iter().flatten() {
+                if let Some(t) = c["delta"]["content"].as_str().or(c["text"].as_str()) {
+                    piece.push_str(t);
+                }
+            }
+            let has_content = !piece.is_empty();
+            rec.text.push_str(&piece);
             if has_content {
                 let now = Instant::now();
                 match last {

@@ -1,15 +1,20 @@
 //! pdmesh-loadtest: how an OpenAI-compatible deployment behaves under load.
 //!
-//! This first part: closed-loop concurrency sweeps with seeded prompts from
-//! a built-in corpus, per-request TTFT / inter-token gaps / time per output
-//! token / end-to-end latency / outcome (stalls counted apart from errors,
-//! with their request ids), percentile aggregates and goodput within an
-//! SLO, written as JSON and Markdown. Load goes only to the address given,
-//! bounded in requests and time; Ctrl-C stops launching and still reports.
+//! Workloads, all seeded: closed-loop concurrency sweeps, open-loop Poisson
+//! arrivals, and agentic multi-turn sessions (each round re-sends the whole
+//! history plus the previous answer and a synthetic tool result, after a
+//! think time). Per request: TTFT, inter-token gaps, time per output token,
+//! end-to-end latency, outcome (stalls counted apart from errors, with their
+//! request ids). Aggregates: percentiles, throughput, goodput within an SLO.
+//! While load runs, the targets' /metrics load gauges are sampled beside the
+//! timeline. Output: JSON and Markdown. Load goes only to the address
+//! given, bounded in requests and time; Ctrl-C stops launching and still
+//! reports what was measured.
 
 pub mod client;
 pub mod report;
 pub mod run;
+pub mod sampler;
 
 /// Prompts built into the tool (no downloads): short questions and tasks.
 pub const CORPUS: &[&str] = &[

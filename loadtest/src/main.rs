@@ -9,7 +9,18 @@ use std::time::Duration;
 
 use clap::Parser;
 use pdmesh_loadtest::report::{aggregate, markdown, Slo};
-use pdmesh_loadtest::run::{closed_loop, Workload};
+use pdmesh_loadtest::run::{agentic, closed_loop, poisson, Workload};
+use pdmesh_loadtest::sampler::{from_meshctl, Sampler};
+
+#[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum)]
+enum Mode {
+    /// `--concurrency` clients, each sending its next request when the last ends.
+    Closed,
+    /// Poisson arrivals at each of `--rate` requests per second.
+    Poisson,
+    /// `--sessions` multi-turn sessions of `--rounds` rounds with `--think-s` between.
+    Agentic,
+}
 
 #[derive(Parser)]
 #[command(name = "pdmesh-loadtest", version, about = "Load an OpenAI-compatible server and report latency and throughput")]
@@ -20,6 +31,36 @@ struct Args {
     /// Model name sent in each request.
     #[arg(long, default_value = "smollm2-135m-instruct")]
     model: String,
+    /// Workload.
+    #[arg(long, value_enum, default_value = "closed")]
+    mode: Mode,
+    /// Arrival rates for `--mode poisson`, requests per second, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    rate: Vec<f64>,
+    /// Most requests in flight in `--mode poisson` (keeps the load bounded).
+    #[arg(long, default_value_t = 256)]
+    max_in_flight: usize,
+    /// Sessions at once for `--mode agentic`.
+    #[arg(long, default_value_t = 4)]
+    sessions: usize,
+    /// Rounds per session for `--mode agentic`.
+    #[arg(long, default_value_t = 4)]
+    rounds: usize,
+    /// Think time between rounds for `--mode agentic`, in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    think_s: f64,
+    /// Admin (HTTP) addresses whose /metrics to sample while loading, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    metrics: Vec<String>,
+    /// Sample every instance `meshctl status --json` lists for this registry folder.
+    #[arg(long)]
+    registry_dir: Option<String>,
+    /// The meshctl binary used with `--registry-dir`.
+    #[arg(long, default_value = "meshctl")]
+    meshctl: String,
+    /// Sampling period of /metrics, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    sample_ms: u64,
     /// Concurrency levels, comma-separated (closed loop).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     concurrency: Vec<usize>,
@@ -61,8 +102,8 @@ struct Args {
 #[tokio::main]
 async fn main() -> ExitCode {
     let a = Args::parse();
-    if a.concurrency.iter().any(|c| *c == 0) || a.requests == 0 || a.stall_s <= 0.0 || a.timeout_s <= 0.0 {
-        eprintln!("error: concurrency, requests, stall and timeout must be positive");
+    if a.concurrency.iter().any(|c| *c == 0) || a.rate.iter().any(|r| !(*r > 0.0)) || a.requests == 0 || a.sessions == 0 || a.rounds == 0 || a.stall_s <= 0.0 || a.timeout_s <= 0.0 {
+        eprintln!("error: concurrency, rate, requests, sessions, rounds, stall and timeout must be positive");
         return ExitCode::from(2);
     }
     let w = Workload {
@@ -83,26 +124,55 @@ async fn main() -> ExitCode {
         }
     });
     let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
+    let mut metrics = a.metrics.clone();
+    if let Some(d) = &a.registry_dir {
+        match from_meshctl(&a.meshctl, d) {
+            Ok(m) => metrics.extend(m),
+            Err(e) => eprintln!("warning: not sampling the mesh's metrics: {e}"),
+        }
+    }
+    // One load point per concurrency / rate (agentic: one point).
+    let levels: Vec<f64> = match a.mode {
+        Mode::Closed => a.concurrency.iter().map(|c| *c as f64).collect(),
+        Mode::Poisson => a.rate.clone(),
+        Mode::Agentic => vec![a.sessions as f64],
+    };
     let mut points = Vec::new();
     let mut all = Vec::new();
-    for (i, &c) in a.concurrency.iter().enumerate() {
+    for (i, &level) in levels.iter().enumerate() {
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        eprintln!("concurrency {c}: {} requests ...", a.requests);
-        let (records, wall) = closed_loop(&w, c, a.requests, Duration::from_secs_f64(a.max_point_s), stop.clone(), i).await;
-        let p = aggregate(c, &records, wall, slo);
+        let t_point = std::time::Instant::now();
+        let sampler = Sampler::start(metrics.clone(), Duration::from_millis(a.sample_ms.max(50)), t_point);
+        let max_time = Duration::from_secs_f64(a.max_point_s);
+        let (records, wall) = match a.mode {
+            Mode::Closed => {
+                eprintln!("concurrency {level}: {} requests ...", a.requests);
+                closed_loop(&w, level as usize, a.requests, max_time, stop.clone(), i).await
+            }
+            Mode::Poisson => {
+                eprintln!("rate {level}/s: {} requests ...", a.requests);
+                poisson(&w, level, a.requests, a.max_in_flight, max_time, stop.clone(), i).await
+            }
+            Mode::Agentic => {
+                eprintln!("{} agentic sessions x {} rounds ...", a.sessions, a.rounds);
+                agentic(&w, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop.clone(), i).await
+            }
+        };
+        let samples = sampler.take();
+        let p = aggregate(level.round() as usize, &records, wall, slo);
         eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);
         points.push(p);
-        all.push(serde_json::json!({ "concurrency": c, "records": records }));
+        all.push(serde_json::json!({ "level": level, "records": records, "metrics_samples": samples }));
     }
     let result = serde_json::json!({
         "target": a.target,
         "model": a.model,
-        "workload": { "kind": "closed_loop", "requests_per_point": a.requests, "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed, "stall_s": a.stall_s },
+        "workload": { "mode": format!("{:?}", a.mode).to_lowercase(), "levels": levels, "requests_per_point": a.requests, "sessions": a.sessions, "rounds": a.rounds, "think_s": a.think_s, "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed, "stall_s": a.stall_s },
         "slo": slo,
         "points": points,
-        "requests": all,
+        "runs": all,
     });
     let json = serde_json::to_string_pretty(&result).unwrap_or_default();
     match &a.out {

@@ -23,9 +23,13 @@ pub struct Workload {
 
 impl Workload {
     fn body(&self, prompt: &str) -> String {
+        self.chat_body(&serde_json::json!([{ "role": "user", "content": prompt }]))
+    }
+
+    fn chat_body(&self, messages: &serde_json::Value) -> String {
         serde_json::json!({
             "model": self.model,
-            "messages": [{ "role": "user", "content": prompt }],
+            "messages": messages,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "stream": true,
@@ -58,6 +62,88 @@ pub async fn closed_loop(w: &Workload, concurrency: usize, requests: usize, max_
                 let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompts[i]), request_id: format!("lt-{}-{point}-{i}", w.seed), stall: w.stall, timeout: w.timeout };
                 out.push(send(req, t_run).await);
             }
+        }));
+    }
+    let mut records = Vec::new();
+    for t in tasks {
+        if let Ok(r) = t.await {
+            records.extend(r);
+        }
+    }
+    (records, t_run.elapsed().as_secs_f64())
+}
+
+/// Open loop: `requests` arrivals at Poisson times of mean rate `rate`
+/// per second (seeded), each sent when it arrives whatever is in flight (at
+/// most `max_in_flight` at once, so the load stays bounded).
+pub async fn poisson(w: &Workload, rate: f64, requests: usize, max_in_flight: usize, max_time: Duration, stop: Arc<AtomicBool>, point: usize) -> (Vec<Record>, f64) {
+    let t_run = Instant::now();
+    let mut rng = Rng::new(w.seed ^ (point as u64) << 32 ^ 0x5050);
+    let gate = Arc::new(tokio::sync::Semaphore::new(max_in_flight.max(1)));
+    let mut at = 0.0f64;
+    let mut tasks = Vec::new();
+    for i in 0..requests {
+        // Exponential inter-arrival time: -ln(U) / rate.
+        let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        at += -(1.0 - u).ln() / rate.max(1e-9);
+        let when = t_run + Duration::from_secs_f64(at);
+        if stop.load(Ordering::Relaxed) || when.duration_since(t_run) > max_time {
+            break;
+        }
+        tokio::time::sleep_until(when.into()).await;
+        let Ok(permit) = gate.clone().acquire_owned().await else { break };
+        let w = w.clone();
+        let prompt = CORPUS[rng.below(CORPUS.len())];
+        tasks.push(tokio::spawn(async move {
+            let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompt), request_id: format!("lt-{}-{point}-{i}", w.seed), stall: w.stall, timeout: w.timeout };
+            let r = send(req, t_run).await;
+            drop(permit);
+            r
+        }));
+    }
+    let mut records = Vec::new();
+    for t in tasks {
+        if let Ok(r) = t.await {
+            records.push(r);
+        }
+    }
+    (records, t_run.elapsed().as_secs_f64())
+}
+
+/// Agentic sessions: `sessions` run at once; each does `rounds` rounds,
+/// every round re-sending the whole history plus the previous answer and a
+/// synthetic tool result, with `think` between rounds. A failed round ends
+/// its session (the rest of its rounds are not sent).
+pub async fn agentic(w: &Workload, sessions: usize, rounds: usize, think: Duration, stop: Arc<AtomicBool>, point: usize) -> (Vec<Record>, f64) {
+    let t_run = Instant::now();
+    let mut tasks = Vec::new();
+    for s in 0..sessions {
+        let (w, stop) = (w.clone(), stop.clone());
+        let mut rng = Rng::new(w.seed ^ (point as u64) << 32 ^ (s as u64) << 8 ^ 0xA6E7);
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut history = vec![
+                serde_json::json!({ "role": "system", "content": "You are an agent. Use the tool results to finish the task." }),
+                serde_json::json!({ "role": "user", "content": CORPUS[rng.below(CORPUS.len())] }),
+            ];
+            for r in 0..rounds {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                if r > 0 {
+                    tokio::time::sleep(think).await;
+                }
+                let body = w.chat_body(&serde_json::Value::Array(history.clone()));
+                let rec = send(Request { addr: &w.addr, path: "/v1/chat/completions", body, request_id: format!("lt-{}-{point}-s{s}-r{r}", w.seed), stall: w.stall, timeout: w.timeout }, t_run).await;
+                let ok = rec.outcome == crate::client::Outcome::Ok;
+                history.push(serde_json::json!({ "role": "assistant", "content": rec.text }));
+                history.push(serde_json::json!({ "role": "tool", "content": format!("tool result {r}: status=ok items={}", rng.below(100)) }));
+                out.push(rec);
+                if !ok {
+                    break;
+                }
+            }
+            out
         }));
     }
     let mut records = Vec::new();

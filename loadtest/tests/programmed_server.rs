@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use pdmesh_loadtest::client::Outcome;
 use pdmesh_loadtest::report::{aggregate, Slo};
-use pdmesh_loadtest::run::{closed_loop, Workload};
+use pdmesh_loadtest::run::{agentic, closed_loop, poisson, Workload};
 
 #[derive(Clone)]
 struct Program {
@@ -23,9 +23,13 @@ struct Program {
     /// Stop sending (but keep the connection open) after this many tokens.
     stall_after: Option<usize>,
     status: u16,
+    /// Messages in each request received, with its arrival time.
+    seen: Arc<std::sync::Mutex<Vec<(Instant, usize)>>>,
 }
 
-async fn chat(State(p): State<Arc<Program>>, _body: Bytes) -> Response {
+async fn chat(State(p): State<Arc<Program>>, body: Bytes) -> Response {
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    p.seen.lock().unwrap().push((Instant::now(), v["messages"].as_array().map(|m| m.len()).unwrap_or(0)));
     if p.status != 200 {
         let body = serde_json::json!({ "error": { "message": "programmed refusal", "type": "rate_limit_error" } });
         return (StatusCode::from_u16(p.status).unwrap(), body.to_string()).into_response();
@@ -52,9 +56,13 @@ async fn chat(State(p): State<Arc<Program>>, _body: Bytes) -> Response {
 }
 
 async fn server(p: Program) -> String {
+    server_arc(Arc::new(p)).await
+}
+
+async fn server_arc(p: Arc<Program>) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    let app = axum::Router::new().route("/v1/chat/completions", axum::routing::post(chat)).with_state(Arc::new(p));
+    let app = axum::Router::new().route("/v1/chat/completions", axum::routing::post(chat)).with_state(p);
     tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
     addr
 }
@@ -70,7 +78,7 @@ fn stop() -> Arc<std::sync::atomic::AtomicBool> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reports_what_the_server_was_programmed_to_do() {
     let (ttft, interval, tokens) = (Duration::from_millis(200), Duration::from_millis(20), 16);
-    let addr = server(Program { ttft, interval, tokens, stall_after: None, status: 200 }).await;
+    let addr = server(Program { ttft, interval, tokens, stall_after: None, status: 200, seen: Default::default() }).await;
     let w = workload(addr, Duration::from_secs(5));
     let (records, wall) = closed_loop(&w, 4, 12, Duration::from_secs(60), stop(), 0).await;
     let p = aggregate(4, &records, wall, Slo { ttft_s: 0.5, tpot_s: 0.05 });
@@ -95,7 +103,7 @@ async fn reports_what_the_server_was_programmed_to_do() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_stops_mid_stream_gives_stalled_requests_not_a_hang() {
-    let addr = server(Program { ttft: Duration::from_millis(50), interval: Duration::from_millis(10), tokens: 16, stall_after: Some(5), status: 200 }).await;
+    let addr = server(Program { ttft: Duration::from_millis(50), interval: Duration::from_millis(10), tokens: 16, stall_after: Some(5), status: 200, seen: Default::default() }).await;
     let w = workload(addr, Duration::from_millis(500));
     let t0 = Instant::now();
     let (records, wall) = closed_loop(&w, 2, 4, Duration::from_secs(60), stop(), 0).await;
@@ -109,7 +117,7 @@ async fn a_server_that_stops_mid_stream_gives_stalled_requests_not_a_hang() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_and_dead_targets_are_errors_by_kind() {
-    let addr = server(Program { ttft: Duration::ZERO, interval: Duration::ZERO, tokens: 1, stall_after: None, status: 429 }).await;
+    let addr = server(Program { ttft: Duration::ZERO, interval: Duration::ZERO, tokens: 1, stall_after: None, status: 429, seen: Default::default() }).await;
     let (records, wall) = closed_loop(&workload(addr, Duration::from_secs(5)), 2, 4, Duration::from_secs(60), stop(), 0).await;
     let p = aggregate(2, &records, wall, Slo { ttft_s: 1.0, tpot_s: 1.0 });
     assert_eq!(p.errors, 4);
@@ -120,4 +128,42 @@ async fn refusals_and_dead_targets_are_errors_by_kind() {
     let (records, wall) = closed_loop(&workload(dead, Duration::from_secs(5)), 2, 2, Duration::from_secs(60), stop(), 0).await;
     let p = aggregate(2, &records, wall, Slo { ttft_s: 1.0, tpot_s: 1.0 });
     assert_eq!(p.error_kinds.get("transport"), Some(&2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poisson_arrivals_follow_the_rate_whatever_is_in_flight() {
+    // Requests last 300 ms; arrivals at 40/s must not wait for them.
+    let p = Arc::new(Program { ttft: Duration::from_millis(100), interval: Duration::from_millis(50), tokens: 5, stall_after: None, status: 200, seen: Default::default() });
+    let addr = server_arc(p.clone()).await;
+    let (records, wall) = poisson(&workload(addr, Duration::from_secs(5)), 40.0, 80, 256, Duration::from_secs(60), stop(), 0).await;
+    assert_eq!(records.len(), 80);
+    assert!(records.iter().all(|r| r.outcome == Outcome::Ok));
+    let seen = p.seen.lock().unwrap().clone();
+    let span = seen.last().unwrap().0.duration_since(seen[0].0).as_secs_f64();
+    // 79 gaps of mean 25 ms: about 2 s (the sum of 79 exponentials has a 11% relative spread).
+    assert!(span > 1.3 && span < 2.9, "arrivals spanned {span} s");
+    assert!(wall < span + 1.0);
+    // Several in flight at once: open loop, not closed.
+    let mut starts: Vec<f64> = records.iter().map(|r| r.start_s).collect();
+    starts.sort_by(|a, b| a.total_cmp(b));
+    let overlapping = starts.windows(8).any(|w| w[7] - w[0] < 0.3);
+    assert!(overlapping, "no burst of 8 arrivals within one request's duration");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentic_sessions_resend_the_growing_history_with_think_time() {
+    let p = Arc::new(Program { ttft: Duration::from_millis(20), interval: Duration::from_millis(5), tokens: 4, stall_after: None, status: 200, seen: Default::default() });
+    let addr = server_arc(p.clone()).await;
+    let t0 = Instant::now();
+    let (records, _) = agentic(&workload(addr, Duration::from_secs(5)), 2, 3, Duration::from_millis(200), stop(), 0).await;
+    assert_eq!(records.len(), 6);
+    assert!(records.iter().all(|r| r.outcome == Outcome::Ok && r.text == "tok tok tok tok "));
+    // Rounds carry system + user, then + answer + tool result each round: 2, 4, 6 messages.
+    let mut counts: Vec<usize> = p.seen.lock().unwrap().iter().map(|(_, n)| *n).collect();
+    counts.sort();
+    assert_eq!(counts, vec![2, 2, 4, 4, 6, 6]);
+    // Two think times per session.
+    assert!(t0.elapsed() >= Duration::from_millis(400));
+    let ids: Vec<&str> = records.iter().map(|r| r.request_id.as_str()).collect();
+    assert!(ids.contains(&"lt-7-0-s1-r2"), "{ids:?}");
 }
