@@ -11,6 +11,7 @@
 //! given, bounded in requests and time; Ctrl-C stops launching and still
 //! reports what was measured.
 
+pub mod ab;
 pub mod client;
 pub mod report;
 pub mod run;

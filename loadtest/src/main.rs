@@ -91,6 +91,20 @@ struct Args {
     /// SLO for goodput: time per output token, in milliseconds.
     #[arg(long, default_value_t = 200.0)]
     slo_tpot_ms: f64,
+    /// A second target for A/B: at each level, runs alternate A, B, A, B ...
+    #[arg(long)]
+    target_b: Option<String>,
+    /// Model name sent to the second target (default: --model).
+    #[arg(long)]
+    model_b: Option<String>,
+    /// Labels of the two targets in the report.
+    #[arg(long, default_value = "A")]
+    label_a: String,
+    #[arg(long, default_value = "B")]
+    label_b: String,
+    /// A/B rounds per level (each round runs A once and B once).
+    #[arg(long, default_value_t = 3)]
+    ab_rounds: usize,
     /// Write the JSON results here (default: stdout).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -114,7 +128,10 @@ async fn main() -> ExitCode {
         stall: Duration::from_secs_f64(a.stall_s),
         timeout: Duration::from_secs_f64(a.timeout_s),
         temperature: a.temperature,
+        id_prefix: String::new(),
     };
+    // Unique request ids across invocations (time) and runs (side, round).
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() % 1_000_000).unwrap_or(0);
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
     tokio::spawn(async move {
@@ -137,34 +154,77 @@ async fn main() -> ExitCode {
         Mode::Poisson => a.rate.clone(),
         Mode::Agentic => vec![a.sessions as f64],
     };
+    let mut w_b = w.clone();
+    if let Some(t) = &a.target_b {
+        w_b.addr = t.clone();
+        w_b.model = a.model_b.clone().unwrap_or_else(|| a.model.clone());
+    }
+    let ab = a.target_b.is_some();
+    let rounds = if ab { a.ab_rounds.max(1) } else { 1 };
     let mut points = Vec::new();
+    let mut points_b = Vec::new();
+    let mut ab_points = Vec::new();
     let mut all = Vec::new();
     for (i, &level) in levels.iter().enumerate() {
+        let (mut runs_a, mut runs_b) = (Vec::new(), Vec::new());
+        for r in 0..rounds {
+            let sides: &[(&str, &Workload)] = if ab { &[("A", &w), ("B", &w_b)] } else { &[("A", &w)] };
+            for (side, wl) in sides {
+                let mut wl = (*wl).clone();
+                wl.id_prefix = format!("lt-{}-{nonce}-{side}{r}", a.seed);
+                let wl = &wl;
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let t_point = std::time::Instant::now();
+                let sampler = Sampler::start(metrics.clone(), Duration::from_millis(a.sample_ms.max(50)), t_point);
+                let max_time = Duration::from_secs_f64(a.max_point_s);
+                let tag = if ab { format!(" [{side} round {r}]") } else { String::new() };
+                let (records, wall) = match a.mode {
+                    Mode::Closed => {
+                        eprintln!("concurrency {level}{tag}: {} requests ...", a.requests);
+                        closed_loop(wl, level as usize, a.requests, max_time, stop.clone(), i).await
+                    }
+                    Mode::Poisson => {
+                        eprintln!("rate {level}/s{tag}: {} requests ...", a.requests);
+                        poisson(wl, level, a.requests, a.max_in_flight, max_time, stop.clone(), i).await
+                    }
+                    Mode::Agentic => {
+                        eprintln!("{} agentic sessions x {} rounds{tag} ...", a.sessions, a.rounds);
+                        agentic(wl, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop.clone(), i).await
+                    }
+                };
+                let samples = sampler.take();
+                let p = aggregate(level.round() as usize, &records, wall, slo);
+                eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);
+                all.push(serde_json::json!({ "level": level, "side": side, "round": r, "target": wl.addr, "records": records, "metrics_samples": samples }));
+                if *side == "A" { runs_a.push(p) } else { runs_b.push(p) }
+            }
+        }
+        if ab && !runs_a.is_empty() && runs_a.len() == runs_b.len() {
+            ab_points.push(pdmesh_loadtest::ab::compare(level, &runs_a, &runs_b));
+        }
+        points.extend(runs_a);
+        points_b.extend(runs_b);
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        let t_point = std::time::Instant::now();
-        let sampler = Sampler::start(metrics.clone(), Duration::from_millis(a.sample_ms.max(50)), t_point);
-        let max_time = Duration::from_secs_f64(a.max_point_s);
-        let (records, wall) = match a.mode {
-            Mode::Closed => {
-                eprintln!("concurrency {level}: {} requests ...", a.requests);
-                closed_loop(&w, level as usize, a.requests, max_time, stop.clone(), i).await
+    }
+    let curve = |ps: &[pdmesh_loadtest::report::Point]| -> Vec<f64> {
+        let mut by_level: Vec<(f64, f64)> = Vec::new();
+        for p in ps {
+            match by_level.iter_mut().find(|(l, _)| *l == p.concurrency as f64) {
+                Some(e) => e.1 = e.1.max(p.output_tokens_per_s),
+                None => by_level.push((p.concurrency as f64, p.output_tokens_per_s)),
             }
-            Mode::Poisson => {
-                eprintln!("rate {level}/s: {} requests ...", a.requests);
-                poisson(&w, level, a.requests, a.max_in_flight, max_time, stop.clone(), i).await
-            }
-            Mode::Agentic => {
-                eprintln!("{} agentic sessions x {} rounds ...", a.sessions, a.rounds);
-                agentic(&w, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop.clone(), i).await
-            }
-        };
-        let samples = sampler.take();
-        let p = aggregate(level.round() as usize, &records, wall, slo);
-        eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);
-        points.push(p);
-        all.push(serde_json::json!({ "level": level, "records": records, "metrics_samples": samples }));
+        }
+        pdmesh_loadtest::ab::falling(&by_level)
+    };
+    let (falling_a, falling_b) = (curve(&points), curve(&points_b));
+    for (label, f) in [(&a.label_a, &falling_a), (&a.label_b, &falling_b)] {
+        if !f.is_empty() {
+            eprintln!("warning: {label}: throughput falls as load rises, at levels {f:?}");
+        }
     }
     let result = serde_json::json!({
         "target": a.target,
@@ -172,6 +232,10 @@ async fn main() -> ExitCode {
         "workload": { "mode": format!("{:?}", a.mode).to_lowercase(), "levels": levels, "requests_per_point": a.requests, "sessions": a.sessions, "rounds": a.rounds, "think_s": a.think_s, "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed, "stall_s": a.stall_s },
         "slo": slo,
         "points": points,
+        "points_b": points_b,
+        "ab": ab_points,
+        "labels": [a.label_a, a.label_b],
+        "throughput_falls_at": { "a": falling_a, "b": falling_b },
         "runs": all,
     });
     let json = serde_json::to_string_pretty(&result).unwrap_or_default();
@@ -184,7 +248,16 @@ async fn main() -> ExitCode {
         }
         None => println!("{json}"),
     }
-    let md = markdown(&a.target, &points);
+    let mut md = markdown(&a.target, &points);
+    if ab {
+        md.push_str(&markdown(a.target_b.as_deref().unwrap_or(""), &points_b).replacen("# Load test", "\n# Load test", 1));
+        md.push_str(&pdmesh_loadtest::ab::markdown(&a.label_a, &a.label_b, &ab_points));
+    }
+    for (label, f) in [(&a.label_a, &falling_a), (&a.label_b, &falling_b)] {
+        if !f.is_empty() {
+            md.push_str(&format!("\n**{label}: throughput falls as load rises** (levels {f:?}).\n"));
+        }
+    }
     match &a.markdown {
         Some(p) => {
             if let Err(e) = std::fs::write(p, md) {

@@ -19,6 +19,9 @@ pub struct Workload {
     pub timeout: Duration,
     /// Temperature of every request (0 = greedy).
     pub temperature: f64,
+    /// Request ids are `<id_prefix>-<point>-<n>`: make it unique per run
+    /// (servers may refuse a reused id).
+    pub id_prefix: String,
 }
 
 impl Workload {
@@ -59,7 +62,7 @@ pub async fn closed_loop(w: &Workload, concurrency: usize, requests: usize, max_
                 if i >= prompts.len() {
                     return out;
                 }
-                let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompts[i]), request_id: format!("lt-{}-{point}-{i}", w.seed), stall: w.stall, timeout: w.timeout };
+                let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompts[i]), request_id: format!("{}-{point}-{i}", w.id_prefix), stall: w.stall, timeout: w.timeout };
                 out.push(send(req, t_run).await);
             }
         }));
@@ -95,7 +98,7 @@ pub async fn poisson(w: &Workload, rate: f64, requests: usize, max_in_flight: us
         let w = w.clone();
         let prompt = CORPUS[rng.below(CORPUS.len())];
         tasks.push(tokio::spawn(async move {
-            let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompt), request_id: format!("lt-{}-{point}-{i}", w.seed), stall: w.stall, timeout: w.timeout };
+            let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompt), request_id: format!("{}-{point}-{i}", w.id_prefix), stall: w.stall, timeout: w.timeout };
             let r = send(req, t_run).await;
             drop(permit);
             r
@@ -134,7 +137,7 @@ pub async fn agentic(w: &Workload, sessions: usize, rounds: usize, think: Durati
                     tokio::time::sleep(think).await;
                 }
                 let body = w.chat_body(&serde_json::Value::Array(history.clone()));
-                let rec = send(Request { addr: &w.addr, path: "/v1/chat/completions", body, request_id: format!("lt-{}-{point}-s{s}-r{r}", w.seed), stall: w.stall, timeout: w.timeout }, t_run).await;
+                let rec = send(Request { addr: &w.addr, path: "/v1/chat/completions", body, request_id: format!("{}-{point}-s{s}-r{r}", w.id_prefix), stall: w.stall, timeout: w.timeout }, t_run).await;
                 let ok = rec.outcome == crate::client::Outcome::Ok;
                 history.push(serde_json::json!({ "role": "assistant", "content": rec.text }));
                 history.push(serde_json::json!({ "role": "tool", "content": format!("tool result {r}: status=ok items={}", rng.below(100)) }));

@@ -68,7 +68,7 @@ async fn server_arc(p: Arc<Program>) -> String {
 }
 
 fn workload(addr: String, stall: Duration) -> Workload {
-    Workload { addr, model: "m".into(), max_tokens: 16, seed: 7, stall, timeout: Duration::from_secs(30), temperature: 0.0 }
+    Workload { addr, model: "m".into(), max_tokens: 16, seed: 7, stall, timeout: Duration::from_secs(30), temperature: 0.0, id_prefix: "lt-7".into() }
 }
 
 fn stop() -> Arc<std::sync::atomic::AtomicBool> {
@@ -166,4 +166,24 @@ async fn agentic_sessions_resend_the_growing_history_with_think_time() {
     assert!(t0.elapsed() >= Duration::from_millis(400));
     let ids: Vec<&str> = records.iter().map(|r| r.request_id.as_str()).collect();
     assert!(ids.contains(&"lt-7-0-s1-r2"), "{ids:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ab_reports_the_ratio_of_two_servers_run_interleaved() {
+    let fast = server(Program { ttft: Duration::from_millis(50), interval: Duration::from_millis(10), tokens: 10, stall_after: None, status: 200, seen: Default::default() }).await;
+    let slow = server(Program { ttft: Duration::from_millis(100), interval: Duration::from_millis(20), tokens: 10, stall_after: None, status: 200, seen: Default::default() }).await;
+    let slo = Slo { ttft_s: 1.0, tpot_s: 1.0 };
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        for (addr, out) in [(&fast, &mut a), (&slow, &mut b)] {
+            let (records, wall) = closed_loop(&workload(addr.clone(), Duration::from_secs(5)), 2, 6, Duration::from_secs(60), stop(), 0).await;
+            out.push(aggregate(2, &records, wall, slo));
+        }
+    }
+    let p = pdmesh_loadtest::ab::compare(2.0, &a, &b);
+    // B takes twice as long per request: half the throughput, twice the TTFT.
+    assert!((p.ratio_tps - 0.5).abs() < 0.12, "B/A {}", p.ratio_tps);
+    assert!(p.ratio_min <= p.ratio_tps && p.ratio_tps <= p.ratio_max);
+    let t = p.ratio_ttft_p50.unwrap();
+    assert!((t - 2.0).abs() < 0.5, "TTFT B/A {t}");
 }

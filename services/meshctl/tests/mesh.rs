@@ -83,6 +83,12 @@ async fn mesh_end_to_end() {
     }
     let (st, resp) = mesh.post("/v1/chat/completions", &chat_body("Say hi", r#","max_tokens":4,"temperature":0"#), &[]);
     assert_eq!(st, 200, "{resp}");
+    // A client that reuses its request id is served every time.
+    for _ in 0..2 {
+        let (st, resp) = mesh.post("/v1/chat/completions", &chat_body("Say hi", r#","max_tokens":4"#), &[("x-request-id", "client-retry-1")]);
+        assert_eq!(st, 200, "{resp}");
+        assert!(resp.contains("\"id\":\"client-retry-1\""), "{resp}");
+    }
 
     // 3. Deadline shorter than the work: 504, nothing leaked.
     let (st, resp) = mesh.post("/v1/chat/completions", &chat_body("Tell a long story", r#","max_tokens":150,"ignore_eos":true"#), &[("x-request-timeout", "0.5")]);

@@ -67,6 +67,7 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         polled: Default::default(),
         info: Default::default(),
         next_id: Default::default(),
+        next_ticket: Default::default(),
     });
     let _poller = server::AbortOnDrop(tokio::spawn(server::poll_loads(router.clone(), Duration::from_millis(250))));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));

@@ -54,6 +54,7 @@ pub struct Router {
     pub polled: Arc<Mutex<HashMap<String, Polled>>>,
     pub info: tokio::sync::OnceCell<tpb::InfoResponse>,
     pub next_id: AtomicU64,
+    pub next_ticket: AtomicU64,
 }
 
 /// A worker's load from its Load RPC.
@@ -257,7 +258,9 @@ impl Router {
         let mut tried_p: Vec<String> = Vec::new();
         let mut attempt = 0u32;
         let (mut dstream, prefill_task, _busy) = loop {
-            let ticket_id = if attempt == 0 { job.request_id.clone() } else { format!("{}.{attempt}", job.request_id) };
+            // The ticket id is the request id made unique: callers may reuse
+            // request ids, and the broker remembers ended tickets for a while.
+            let ticket_id = format!("{}#{:x}.{}.{attempt}", job.request_id, std::process::id(), self.next_ticket.fetch_add(1, Ordering::Relaxed));
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
             let (d, dch, dbusy) = self.pick(&self.decode, &tried_d).await?;
             let (p, pch, pbusy) = match self.pick(&self.prefill, &tried_p).await {
@@ -438,7 +441,7 @@ impl pb::router_server::Router for Service {
         router.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             let t0 = Instant::now();
-            let ticket = Mutex::new(job.request_id.clone());
+            let ticket = Mutex::new(String::new());
             let r = tokio::select! {
                 r = tokio::time::timeout(deadline, router.run(job, &tx, &ticket)) => {
                     r.unwrap_or_else(|_| Err(Status::deadline_exceeded(format!("request did not finish within its deadline of {:.1} s", deadline.as_secs_f64()))))
@@ -448,7 +451,9 @@ impl pb::router_server::Router for Service {
             let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());
             if let Err(e) = r {
                 let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                router.cancel_ticket(&id, e.message()).await;
+                if !id.is_empty() {
+                    router.cancel_ticket(&id, e.message()).await;
+                }
                 let _ = tx.send(Err(e)).await;
             }
             router.metrics.e2e.observe(t0.elapsed().as_secs_f64());
