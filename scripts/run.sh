@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 question=${1:-"What is the capital of France?"}
 addr=${PDMESH_GATEWAY_ADDR:-127.0.0.1:8080}
 state=$(mktemp -d)
+bash scripts/deps.sh
 cargo build --release --workspace --bins
 ./target/release/meshctl up --gateway-addr "$addr" --registry-dir "$state/registry" > "$state/up.out" &
 mesh=$!
