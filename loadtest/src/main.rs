@@ -177,6 +177,27 @@ async fn main() -> ExitCode {
                     break;
                 }
                 let t_point = std::time::Instant::now();
+                // A live status line on stderr while the point runs.
+                pdmesh_loadtest::run::PROGRESS.reset();
+                let total = match a.mode {
+                    Mode::Agentic => a.sessions * a.rounds,
+                    _ => a.requests,
+                };
+                let ticker = tokio::spawn(async move {
+                    use std::io::{IsTerminal, Write};
+                    let tty = std::io::stderr().is_terminal();
+                    let every = Duration::from_millis(if tty { 250 } else { 5000 });
+                    loop {
+                        tokio::time::sleep(every).await;
+                        let line = pdmesh_loadtest::run::PROGRESS.line(total);
+                        if tty {
+                            eprint!("\r  {line}   ");
+                        } else {
+                            eprintln!("  {line}");
+                        }
+                        let _ = std::io::stderr().flush();
+                    }
+                });
                 let sampler = Sampler::start(metrics.clone(), Duration::from_millis(a.sample_ms.max(50)), t_point);
                 let max_time = Duration::from_secs_f64(a.max_point_s);
                 let tag = if ab { format!(" [{side} round {r}]") } else { String::new() };
@@ -194,6 +215,10 @@ async fn main() -> ExitCode {
                         agentic(wl, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop.clone(), i).await
                     }
                 };
+                ticker.abort();
+                if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                    eprintln!();
+                }
                 let samples = sampler.take();
                 let p = aggregate(level.round() as usize, &records, wall, slo);
                 eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);

@@ -6,7 +6,53 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::client::{send, Record, Request};
+use crate::client::{Outcome, Record, Request};
+
+/// Live counts for the progress line.
+#[derive(Default)]
+pub struct Progress {
+    pub sent: AtomicUsize,
+    pub done: AtomicUsize,
+    pub ok: AtomicUsize,
+    pub errors: AtomicUsize,
+    pub stalled: AtomicUsize,
+}
+
+pub static PROGRESS: Progress = Progress { sent: AtomicUsize::new(0), done: AtomicUsize::new(0), ok: AtomicUsize::new(0), errors: AtomicUsize::new(0), stalled: AtomicUsize::new(0) };
+
+impl Progress {
+    /// `done/total ok errors stalled in-flight`, for one status line.
+    pub fn line(&self, total: usize) -> String {
+        let (sent, done) = (self.sent.load(Ordering::Relaxed), self.done.load(Ordering::Relaxed));
+        format!(
+            "{done}/{total} done  ok {}  errors {}  stalled {}  in flight {}",
+            self.ok.load(Ordering::Relaxed),
+            self.errors.load(Ordering::Relaxed),
+            self.stalled.load(Ordering::Relaxed),
+            sent.saturating_sub(done)
+        )
+    }
+
+    pub fn reset(&self) {
+        for c in [&self.sent, &self.done, &self.ok, &self.errors, &self.stalled] {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// [`crate::client::send`], counted in [`PROGRESS`].
+async fn send(req: Request<'_>, t_run: Instant) -> Record {
+    PROGRESS.sent.fetch_add(1, Ordering::Relaxed);
+    let r = crate::client::send(req, t_run).await;
+    let c = match r.outcome {
+        Outcome::Ok => &PROGRESS.ok,
+        Outcome::Stalled => &PROGRESS.stalled,
+        _ => &PROGRESS.errors,
+    };
+    c.fetch_add(1, Ordering::Relaxed);
+    PROGRESS.done.fetch_add(1, Ordering::Relaxed);
+    r
+}
 use crate::{Rng, CORPUS};
 
 #[derive(Clone, Debug)]
@@ -138,7 +184,7 @@ pub async fn agentic(w: &Workload, sessions: usize, rounds: usize, think: Durati
                 }
                 let body = w.chat_body(&serde_json::Value::Array(history.clone()));
                 let rec = send(Request { addr: &w.addr, path: "/v1/chat/completions", body, request_id: format!("{}-{point}-s{s}-r{r}", w.id_prefix), stall: w.stall, timeout: w.timeout }, t_run).await;
-                let ok = rec.outcome == crate::client::Outcome::Ok;
+                let ok = rec.outcome == Outcome::Ok;
                 history.push(serde_json::json!({ "role": "assistant", "content": rec.text }));
                 history.push(serde_json::json!({ "role": "tool", "content": format!("tool result {r}: status=ok items={}", rng.below(100)) }));
                 out.push(rec);
@@ -156,4 +202,21 @@ pub async fn agentic(w: &Workload, sessions: usize, rounds: usize, think: Durati
         }
     }
     (records, t_run.elapsed().as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_line_counts_in_flight() {
+        let p = Progress::default();
+        p.sent.store(5, Ordering::Relaxed);
+        p.done.store(3, Ordering::Relaxed);
+        p.ok.store(2, Ordering::Relaxed);
+        p.stalled.store(1, Ordering::Relaxed);
+        assert_eq!(p.line(10), "3/10 done  ok 2  errors 0  stalled 1  in flight 2");
+        p.reset();
+        assert_eq!(p.line(10), "0/10 done  ok 0  errors 0  stalled 0  in flight 0");
+    }
 }
