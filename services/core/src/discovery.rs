@@ -13,7 +13,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -119,10 +119,6 @@ pub struct FileRegistry {
     ttl: Duration,
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
-
 fn check_name(s: &str) -> Result<(), DiscoveryError> {
     let ok = !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && s != "." && s != "..";
     if ok {
@@ -147,7 +143,7 @@ impl FileRegistry {
     }
 
     fn write_entry(path: &Path, instance: &Instance) -> Result<(), DiscoveryError> {
-        let entry = Entry { instance: instance.clone(), heartbeat_unix_ms: now_ms() };
+        let entry = Entry { instance: instance.clone(), heartbeat_unix_ms: crate::now_ms() };
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         std::fs::write(&tmp, serde_json::to_vec(&entry).expect("entry serialises")).map_err(io(&tmp))?;
         std::fs::rename(&tmp, path).map_err(io(path))
@@ -161,7 +157,7 @@ impl FileRegistry {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(io(&dir)(e)),
         };
-        let cutoff = now_ms().saturating_sub(self.ttl.as_millis() as u64);
+        let cutoff = crate::now_ms().saturating_sub(self.ttl.as_millis() as u64);
         let mut out: Vec<Instance> = rd
             .filter_map(|e| e.ok())
             .filter(|e| e.path().extension().is_some_and(|x| x == "json"))

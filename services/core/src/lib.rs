@@ -14,3 +14,8 @@ pub mod metrics;
 pub mod peers;
 pub mod serve;
 pub mod signal;
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}

@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use pdmesh_proto::kvbroker::v1 as pb;
 use pb::{Ticket, TicketState};
@@ -13,9 +12,7 @@ use tonic::{Request, Response, Status};
 use crate::error::Error;
 use crate::tickets::{is_terminal, Tickets};
 
-pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
+pub use pdmesh_core::now_ms;
 
 pub struct Broker {
     pub tickets: Arc<Mutex<Tickets>>,

@@ -12,9 +12,8 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use pdmesh_core::discovery::{Discovery, FileRegistry};
 use pdmesh_engine::{ChatMessage, Engine, EngineOptions, Model, SamplingParams, SeqId, Tokenizer};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
@@ -181,14 +180,7 @@ fn engine_point(engine: &mut Engine, prompts: &[Vec<u32>], c: usize, n: usize, m
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let addr = match &a.router_addr {
-        Some(r) => r.clone(),
-        None => {
-            let reg = FileRegistry::new(&a.registry_dir, Duration::from_secs(10));
-            let list = reg.healthy("router").await.map_err(|e| e.to_string())?;
-            list.first().map(|i| i.grpc_addr.clone()).ok_or_else(|| format!("no live router in {} (is `meshctl up` running?)", a.registry_dir.display()))?
-        }
-    };
+    let addr = crate::router_addr(a.router_addr.as_deref(), &a.registry_dir).await?;
     let mut points = Vec::new();
     // Warm-up through the mesh (first-touch of weights and arenas).
     mesh_point(&addr, 1, 2, 8).await?;

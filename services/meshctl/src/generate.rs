@@ -4,7 +4,6 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pdmesh_core::discovery::{Discovery, FileRegistry};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 
@@ -36,14 +35,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let addr = match a.router_addr {
-        Some(r) => r,
-        None => {
-            let reg = FileRegistry::new(&a.registry_dir, Duration::from_secs(10));
-            let list = reg.healthy("router").await.map_err(|e| e.to_string())?;
-            list.first().map(|i| i.grpc_addr.clone()).ok_or_else(|| format!("no live router in {} (is `meshctl up` running?)", a.registry_dir.display()))?
-        }
-    };
+    let addr = crate::router_addr(a.router_addr.as_deref(), &a.registry_dir).await?;
     let ch = pdmesh_core::grpc::lazy_channel(&addr)?;
     let input = if a.raw {
         pb::generate_request::Input::Prompt(a.text)

@@ -25,6 +25,17 @@ pub fn default_registry_dir() -> PathBuf {
     std::env::temp_dir().join("pdmesh").join("registry")
 }
 
+/// `explicit`, else the first live router in the registry folder.
+pub async fn router_addr(explicit: Option<&str>, registry_dir: &std::path::Path) -> Result<String, String> {
+    use pdmesh_core::discovery::{Discovery, FileRegistry};
+    if let Some(r) = explicit {
+        return Ok(r.to_string());
+    }
+    let reg = FileRegistry::new(registry_dir, std::time::Duration::from_secs(10));
+    let list = reg.healthy("router").await.map_err(|e| e.to_string())?;
+    list.first().map(|i| i.grpc_addr.clone()).ok_or_else(|| format!("no live router in {} (is `meshctl up` running?)", registry_dir.display()))
+}
+
 #[derive(Parser)]
 #[command(name = "meshctl", version, about = "Run and inspect a pdmesh mesh")]
 struct Cli {

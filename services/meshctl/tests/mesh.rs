@@ -8,7 +8,6 @@ mod common;
 use std::time::Duration;
 
 use common::{chat_body, chat_request, golden, ids, run, start_stream, Mesh};
-use pdmesh_core::discovery::Discovery;
 use pdmesh_testkit::eventually_async;
 
 /// Decode's KV is kept small so a single long request can fill it.
@@ -119,41 +118,21 @@ async fn mesh_end_to_end() {
     assert_eq!(st, 200, "{resp}");
 
     // 5. Each service killed alone comes back; the others keep their processes.
-    let pid_of = |svc: &'static str| {
-        let mesh = &mesh;
-        async move {
-            let i = mesh.instance(svc).await;
-            let (_, body) = pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/statusz");
-            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-            v["pid"].as_u64().unwrap() as i32
-        }
-    };
-    for svc in ["tokenizer", "kvbroker", "prefill", "decode", "router", "gateway"] {
+    const ALL: [&str; 6] = ["tokenizer", "kvbroker", "prefill", "decode", "router", "gateway"];
+    for svc in ALL {
         let mut before = std::collections::HashMap::new();
-        for s in ["tokenizer", "kvbroker", "prefill", "decode", "router", "gateway"] {
-            before.insert(s, pid_of(s).await);
+        for s in ALL {
+            before.insert(s, mesh.pid(s).await);
         }
-        // SAFETY: kill(2) on a mesh child process.
-        unsafe {
-            libc::kill(before[svc], libc::SIGKILL);
-        }
-        let back = eventually_async(Duration::from_secs(120), || async {
-            let Ok(list) = mesh.registry().healthy(svc).await else { return false };
-            let Some(i) = list.first() else { return false };
-            let Ok((200, body)) = pdmesh_core::http::get(i.http_addr.as_deref().unwrap(), "/statusz", Duration::from_secs(2)) else { return false };
-            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-            v["pid"].as_u64() != Some(before[svc] as u64) && v["ready"] == true
-        })
-        .await;
-        assert!(back, "{svc} did not come back");
+        mesh.kill_and_wait(svc).await;
         let ok = eventually_async(Duration::from_secs(60), || async {
             matches!(mesh.post("/v1/chat/completions", &chat_body("Say hi", r#","max_tokens":4"#), &[]), (200, _))
         })
         .await;
         assert!(ok, "mesh does not serve after {svc} restarted");
-        for s in ["tokenizer", "kvbroker", "prefill", "decode", "router", "gateway"] {
+        for s in ALL {
             if s != svc {
-                assert_eq!(pid_of(s).await, before[s], "{s} was restarted when only {svc} died");
+                assert_eq!(mesh.pid(s).await, before[s], "{s} was restarted when only {svc} died");
             }
         }
     }

@@ -60,7 +60,7 @@ impl KvTransport for NixlTransport {
         let nixl = self.nixl.clone();
         let (src, dst) = (pinned.p.blocks.clone(), ticket.dest_blocks[..n].to_vec());
         let (worker, md, addr, len) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), agent.arena_addr as usize, agent.arena_len as usize);
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let now = pdmesh_core::now_ms();
         let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
         let note = ticket.request_id.clone();
         tokio::task::spawn_blocking(move || nixl.write(&worker, &md, addr, len, &src, &dst, block_bytes, &note, timeout))
