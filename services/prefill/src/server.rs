@@ -85,8 +85,13 @@ impl Service {
             let ended = async {
                 while let Ok(Some(t)) = watch.message().await {
                     let s = kpb::TicketState::try_from(t.state).unwrap_or(kpb::TicketState::Unspecified);
-                    if matches!(s, kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired) {
-                        return Status::failed_precondition(format!("transfer ticket {} while the write was pending: {}", s.as_str_name(), t.reason));
+                    let why = format!("transfer ticket {} while the write was pending: {}", s.as_str_name(), t.reason);
+                    match s {
+                        // The same status the decode reports for this ticket.
+                        kpb::TicketState::Expired => return Status::deadline_exceeded(why),
+                        kpb::TicketState::Cancelled => return Status::cancelled(why),
+                        kpb::TicketState::Failed => return Status::failed_precondition(why),
+                        _ => {}
                     }
                 }
                 std::future::pending::<Status>().await
@@ -98,7 +103,7 @@ impl Service {
         }
         // Never start a write the lease may not cover: once it expires the
         // decode frees (and may reuse) the destination blocks.
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let now = pdmesh_core::now_ms();
         if ticket.lease_deadline_unix_ms < now + WRITE_MARGIN_MS {
             let why = format!("transfer lease ends in {} ms; not starting the write", ticket.lease_deadline_unix_ms.saturating_sub(now));
             let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
