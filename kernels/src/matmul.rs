@@ -72,8 +72,12 @@ pub fn quantize_rows(be: Backend, pool: &Pool, x: &[f32], rows: usize, cols: usi
     });
 }
 
-/// Activation rows that share one pass over a weight row.
-const TILE_B: usize = 32;
+/// Activation rows that share one pass over a weight row (a tuning knob,
+/// reported on kernel spans).
+pub const TILE_B: usize = 32;
+
+/// Weight rows per slice kept in L1 while a tile of activations passes (a knob).
+pub const ROW_SLICE: usize = 16;
 
 /// `out[b * w.rows + r] = dot(W[r], X[b])` for every b in X and r in W.
 pub fn matmul(be: Backend, pool: &Pool, w: &QMatrix<'_>, x: &QActs, out: &mut [f32]) {
@@ -88,8 +92,8 @@ pub fn matmul(be: Backend, pool: &Pool, w: &QMatrix<'_>, x: &QActs, out: &mut [f
         let r0 = t * per_task;
         let r1 = (r0 + per_task).min(rows);
         // Weight rows in slices that stay in L1 while a tile of activations passes.
-        for rs in (r0..r1).step_by(16) {
-            let re = (rs + 16).min(r1);
+        for rs in (r0..r1).step_by(ROW_SLICE) {
+            let re = (rs + ROW_SLICE).min(r1);
             for b0 in (0..x.rows).step_by(TILE_B) {
                 let b1 = (b0 + TILE_B).min(x.rows);
                 // SAFETY: each task writes only its own rows r0..r1 of every output row.

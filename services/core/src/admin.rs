@@ -26,6 +26,8 @@ pub struct AdminState {
     ready: Arc<AtomicBool>,
     statusz: Arc<serde_json::Value>,
     metrics: MetricsFn,
+    service: Arc<str>,
+    config: Arc<serde_json::Value>,
 }
 
 impl AdminState {
@@ -44,9 +46,26 @@ impl AdminState {
             },
             "pid": std::process::id(),
             "start_time_unix": started,
+            "config_hash": crate::telemetry::config_hash(&config),
             "config": config,
         });
-        AdminState { ready: Arc::new(AtomicBool::new(false)), statusz: Arc::new(statusz), metrics }
+        AdminState {
+            ready: Arc::new(AtomicBool::new(false)),
+            statusz: Arc::new(statusz),
+            metrics,
+            service: service.into(),
+            config: Arc::new(config),
+        }
+    }
+
+    /// Short service name (`tokenizer`, `decode`, ...).
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// The effective configuration given to [`AdminState::new`].
+    pub fn config(&self) -> &serde_json::Value {
+        &self.config
     }
 
     pub fn set_ready(&self, ready: bool) {

@@ -20,4 +20,13 @@ pub struct CommonArgs {
     /// Allow tests to set fault-injection switches over `PUT /faults/<name>/<value>` (never in production).
     #[arg(long, env = "PDMESH_ENABLE_FAULT_INJECTION")]
     pub enable_fault_injection: bool,
+    #[command(flatten)]
+    pub telemetry: crate::telemetry::TelemetryArgs,
+}
+
+impl CommonArgs {
+    /// This instance's id: `--instance-id`, else `<service>-<pid>`.
+    pub fn instance_id(&self, service: &str) -> String {
+        self.instance_id.clone().unwrap_or_else(|| format!("{service}-{}", std::process::id()))
+    }
 }

@@ -1,8 +1,8 @@
 //! Shared runtime of pdmesh services: the flags they share ([`args`]),
 //! service discovery ([`discovery`], file registry backend; Consul comes
 //! later) and the HTTP admin endpoints every service serves ([`admin`]:
-//! /health, /metrics, /statusz). Metrics registries and tracing helpers
-//! join it as the mesh grows.
+//! /health, /metrics, /statusz), metrics text ([`metrics`]) and tracing
+//! ([`telemetry`]: OTLP export, W3C trace context on every hop).
 
 pub mod admin;
 pub mod args;
@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod peers;
 pub mod serve;
 pub mod signal;
+pub mod telemetry;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> u64 {

@@ -21,6 +21,8 @@ pub enum ServeError {
     Listen { addr: SocketAddr, source: std::io::Error },
     #[error("discovery: {0}")]
     Discovery(#[from] DiscoveryError),
+    #[error("tracing: {0}")]
+    Telemetry(#[from] crate::telemetry::TelemetryError),
 }
 
 /// The running admin server (if `--http-listen` was given).
@@ -34,6 +36,19 @@ impl Admin {
     /// Start /health, /metrics and /statusz on `--http-listen`, if set.
     pub async fn start(common: &CommonArgs, state: AdminState) -> Result<Admin, ServeError> {
         crate::faults::enable(common.enable_fault_injection);
+        let id = crate::telemetry::Identity {
+            service: state.service().to_string(),
+            instance_id: common.instance_id(state.service()),
+            config: state.config().clone(),
+        };
+        if crate::telemetry::init(&common.telemetry, &id)? {
+            eprintln!(
+                "pdmesh-{}: exporting traces to {} (sample ratio {})",
+                id.service,
+                common.telemetry.otlp_endpoint.as_deref().unwrap_or_default(),
+                common.telemetry.trace_sample_ratio
+            );
+        }
         let Some(addr) = common.http_listen else {
             return Ok(Admin { state, http_addr: None, stop: None });
         };
@@ -57,7 +72,7 @@ impl Admin {
         let registration = match &common.registry_dir {
             Some(dir) => {
                 let reg = FileRegistry::new(dir, Duration::from_secs(common.registry_ttl_s.max(1)));
-                let id = common.instance_id.clone().unwrap_or_else(|| format!("{service}-{}", std::process::id()));
+                let id = common.instance_id(service);
                 let inst = Instance {
                     service: service.into(),
                     id,
@@ -114,7 +129,9 @@ where
         }
     };
     eprintln!("{name}: listening on {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
-    match serve(listener, Box::pin(crate::signal::shutdown_signal())).await {
+    let result = serve(listener, Box::pin(crate::signal::shutdown_signal())).await;
+    crate::telemetry::shutdown().await;
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

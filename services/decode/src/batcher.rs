@@ -15,6 +15,7 @@ use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, S
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as pb;
 use tokio::sync::oneshot;
+use pdmesh_worker::KernelSpans;
 use tonic::Status;
 
 /// Where a sequence's events go: the gRPC response stream.
@@ -23,7 +24,7 @@ pub type Events = tokio::sync::mpsc::UnboundedSender<Result<pb::GenerateResponse
 enum Cmd {
     Reserve { prompt: Vec<u32>, params: SamplingParams, reply: oneshot::Sender<Result<(SeqId, Vec<u32>), EngineError>> },
     Import { seq: SeqId, blob: KvBlob, reply: oneshot::Sender<Result<(), EngineError>> },
-    Start { seq: SeqId, first_token: u32, events: Events },
+    Start { seq: SeqId, first_token: u32, events: Events, span: tracing::Span },
     Release { seq: SeqId },
 }
 
@@ -57,7 +58,7 @@ fn gone() -> EngineError {
 
 impl Batcher {
     /// Start the loop on its own thread; it ends when every handle is dropped.
-    pub fn start(engine: Engine, max_batch: usize) -> Batcher {
+    pub fn start(engine: Engine, max_batch: usize, kernel_spans: KernelSpans) -> Batcher {
         let stats = Arc::new(Stats {
             running: AtomicU32::new(0),
             queued: AtomicU32::new(0),
@@ -74,7 +75,9 @@ impl Batcher {
         let s = stats.clone();
         std::thread::Builder::new()
             .name("decode-loop".into())
-            .spawn(move || Loop { engine, max_batch: max_batch.max(1), stats: s, ready: VecDeque::new(), running: Vec::new(), reserved: Default::default() }.run(rx))
+            .spawn(move || {
+                Loop { engine, max_batch: max_batch.max(1), kernel_spans, stats: s, ready: VecDeque::new(), running: Vec::new(), reserved: Default::default() }.run(rx)
+            })
             .expect("spawn decode loop");
         Batcher { tx, stats }
     }
@@ -95,8 +98,9 @@ impl Batcher {
 
     /// Join the batch with the first token; events go to `events` from now
     /// on, and the loop releases the sequence when it ends or `events` closes.
-    pub fn start_sequence(&self, seq: SeqId, first_token: u32, events: Events) {
-        let _ = self.tx.send(Cmd::Start { seq, first_token, events });
+    /// `span` (the request's server span) ends with the sequence.
+    pub fn start_sequence(&self, seq: SeqId, first_token: u32, events: Events, span: tracing::Span) {
+        let _ = self.tx.send(Cmd::Start { seq, first_token, events, span });
     }
 
     /// Free a sequence that never started (unknown ids are ignored).
@@ -110,11 +114,28 @@ struct Seq {
     events: Events,
     n_prompt: u32,
     n_generated: u32,
+    /// `decode_loop`: from joining the batch to the end; records the steps
+    /// it rode in and their batch sizes.
+    span: tracing::Span,
+    _server: tracing::Span,
+    steps: u32,
+    batch_sum: u64,
+    batch_max: u32,
+}
+
+impl Drop for Seq {
+    fn drop(&mut self) {
+        self.span.record("decode.steps", self.steps as i64);
+        self.span.record("decode.tokens", self.n_generated as i64);
+        self.span.record("decode.batch_max", self.batch_max as i64);
+        self.span.record("decode.batch_mean", if self.steps > 0 { self.batch_sum as f64 / self.steps as f64 } else { 0.0 });
+    }
 }
 
 struct Loop {
     engine: Engine,
     max_batch: usize,
+    kernel_spans: KernelSpans,
     stats: Arc<Stats>,
     /// Started, waiting for a batch slot.
     ready: VecDeque<Seq>,
@@ -190,13 +211,23 @@ impl Loop {
             Cmd::Import { seq, blob, reply } => {
                 let _ = reply.send(self.engine.import_prompt_kv(seq, &blob));
             }
-            Cmd::Start { seq, first_token, events } => {
+            Cmd::Start { seq, first_token, events, span: server } => {
                 self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
                 self.reserved.remove(&seq);
                 let n_prompt = self.engine.prompt_len(seq).unwrap_or(0) as u32;
                 match self.engine.attach_first_token(seq, first_token) {
                     Ok(ev) => {
-                        let mut s = Seq { id: seq, events, n_prompt, n_generated: 0 };
+                        let span = tracing::info_span!(
+                            parent: &server,
+                            "decode_loop",
+                            decode.running_on_join = self.running.len() as i64,
+                            decode.waiting_on_join = self.ready.len() as i64,
+                            decode.steps = tracing::field::Empty,
+                            decode.tokens = tracing::field::Empty,
+                            decode.batch_max = tracing::field::Empty,
+                            decode.batch_mean = tracing::field::Empty,
+                        );
+                        let mut s = Seq { id: seq, events, n_prompt, n_generated: 0, span, _server: server, steps: 0, batch_sum: 0, batch_max: 0 };
                         if self.emit(&mut s, &ev) {
                             self.ready.push_back(s);
                         }
@@ -260,8 +291,23 @@ impl Loop {
 
     fn step(&mut self) {
         let ids: Vec<SeqId> = self.running.iter().map(|s| s.id).collect();
+        let n = ids.len() as u32;
+        for s in &mut self.running {
+            s.steps += 1;
+            s.batch_sum += n as u64;
+            s.batch_max = s.batch_max.max(n);
+        }
+        let span = pdmesh_worker::step_span("decode_step", self.running.iter().map(|s| &s.span), ids.len());
+        let kernels = !span.is_disabled() && self.running.iter().any(|s| self.kernel_spans.covers(s.n_generated + 1));
         let t = Instant::now();
-        let result = self.engine.decode(&ids);
+        let result = {
+            let _in = span.enter();
+            pdmesh_engine::model::set_kernel_spans(kernels);
+            let r = self.engine.decode(&ids);
+            pdmesh_engine::model::set_kernel_spans(false);
+            r
+        };
+        drop(span);
         self.stats.step_seconds.observe(t.elapsed().as_secs_f64());
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {

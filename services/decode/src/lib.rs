@@ -51,7 +51,7 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         }
         None => None,
     };
-    let batcher = Batcher::start(engine, config.worker.engine.max_batch);
+    let batcher = Batcher::start(engine, config.worker.engine.max_batch, config.worker.engine.trace_kernel_steps);
     let _ = stats_slot.set(batcher.stats.clone());
     let broker = Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;

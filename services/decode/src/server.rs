@@ -15,6 +15,9 @@ use pdmesh_proto::decode::v1 as pb;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::batcher::{Batcher, Events};
 
@@ -83,10 +86,32 @@ impl Service {
         self.batcher.stats.outcomes.inc(outcome_of(s.code()));
     }
 
-    async fn admit(&self, r: pb::GenerateRequest) -> Result<EventStream, Status> {
+    /// Reserve, open the ticket and watch it (the `admit` span), then wait
+    /// for the KV in the background (`await_kv`) and join the batch.
+    /// `server` is the request's span; it ends with the token stream.
+    async fn admit(&self, r: pb::GenerateRequest, server: tracing::Span) -> Result<EventStream, Status> {
         if r.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is required"));
         }
+        let st = &self.batcher.stats;
+        let admit = tracing::info_span!(
+            parent: &server,
+            "admit",
+            decode.running = st.running.load(Ordering::Relaxed) as i64,
+            decode.waiting = st.queued.load(Ordering::Relaxed) as i64,
+            decode.awaiting_kv = st.awaiting_kv.load(Ordering::Relaxed) as i64,
+            kv_blocks_used = st.kv_used.load(Ordering::Relaxed) as i64,
+            kv_blocks_total = st.kv_total.load(Ordering::Relaxed) as i64,
+            kv_blocks_reserved = tracing::field::Empty,
+        );
+        let r2 = self.admit_inner(r, &server).instrument(admit.clone()).await;
+        if let Err(e) = &r2 {
+            telemetry::mark_error(&admit, e.message());
+        }
+        r2
+    }
+
+    async fn admit_inner(&self, r: pb::GenerateRequest, server: &tracing::Span) -> Result<EventStream, Status> {
         let params = pdmesh_worker::sampling(r.sampling.as_ref(), r.max_tokens, &r.stop_ids, r.ignore_eos);
         let n_prompt = r.prompt_ids.len() as u32;
         let (seq, blocks) = self.batcher.reserve(r.prompt_ids, params).await.map_err(|e| pdmesh_worker::status(&e))?;
@@ -101,12 +126,22 @@ impl Service {
         }
         let mut res = Reservation { batcher: self.batcher.clone(), pending: self.pending.clone(), request_id: r.request_id.clone(), seq, started: false, claimed: false };
         let n_blocks = blocks.len() as u32;
+        tracing::Span::current().record("kv_blocks_reserved", n_blocks as i64);
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let open = kpb::OpenTicketRequest { request_id: r.request_id.clone(), dest_worker: self.worker_id.clone(), dest_blocks: blocks, n_tokens: n_prompt, lease_ms: self.lease_ms };
-        broker.open_ticket(open).await.map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
-        let mut watch = match broker.watch_ticket(kpb::WatchTicketRequest { request_id: r.request_id.clone() }).await {
+        let (open, span) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/OpenTicket", open);
+        let opened = broker.open_ticket(open).instrument(span.clone()).await;
+        telemetry::finish(&span, opened).map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
+        // The watch (and its span) lasts until the ticket ends.
+        let await_kv = tracing::info_span!(parent: server, "await_kv");
+        let (watch, wspan) = {
+            let _g = await_kv.enter();
+            telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/WatchTicket", kpb::WatchTicketRequest { request_id: r.request_id.clone() })
+        };
+        let mut watch = match broker.watch_ticket(watch).instrument(wspan.clone()).await {
             Ok(w) => w.into_inner(),
             Err(e) => {
+                telemetry::record_status(&wspan, Some(&e));
                 cancel(broker.clone(), &r.request_id, "decode could not watch the ticket");
                 return Err(Status::unavailable(format!("kvbroker: {}", e.message())));
             }
@@ -115,6 +150,7 @@ impl Service {
         let _ = tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Admitted(pb::Admitted { kv_blocks: n_blocks })) }));
         let batcher = self.batcher.clone();
         let request_id = r.request_id;
+        let server = server.clone();
         tokio::spawn(async move {
             // Wait for the prefill's KV: the ticket turns DONE with the first token.
             let end = loop {
@@ -130,7 +166,8 @@ impl Service {
                                     break Status::internal("ticket done without a first token");
                                 };
                                 res.started = true;
-                                batcher.start_sequence(res.seq, first, tx);
+                                drop((wspan, await_kv));
+                                batcher.start_sequence(res.seq, first, tx, server);
                                 return;
                             }
                             kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired => break ticket_failure(&t),
@@ -150,6 +187,8 @@ impl Service {
                 }
             };
             batcher.stats.outcomes.inc(outcome_of(end.code()));
+            telemetry::mark_error(&await_kv, end.message());
+            telemetry::record_status(&server, Some(&end));
             let _ = tx.send(Err(end));
             drop(res);
         });
@@ -170,17 +209,40 @@ impl pb::decode_server::Decode for Service {
     type GenerateStream = EventStream;
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
-        match self.admit(req.into_inner()).await {
+        let span = telemetry::server_span("pdmesh.decode.v1.Decode/Generate", &req);
+        match self.admit(req.into_inner(), span.clone()).await {
             Ok(s) => Ok(Response::new(s)),
             Err(e) => {
                 self.count(&e);
+                telemetry::record_status(&span, Some(&e));
                 Err(e)
             }
         }
     }
 
     async fn write_kv(&self, req: Request<Streaming<pb::KvChunk>>) -> Result<Response<pb::WriteKvResponse>, Status> {
-        let mut s = req.into_inner();
+        let span = telemetry::server_span("pdmesh.decode.v1.Decode/WriteKv", &req);
+        let r = self.write_kv_inner(req.into_inner()).instrument(span.clone()).await;
+        if let Ok(r) = &r {
+            span.set_attribute("pdmesh.kv.bytes", r.bytes as i64);
+        }
+        telemetry::finish(&span, r).map(Response::new)
+    }
+
+    async fn load(&self, _req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
+        let st = &self.batcher.stats;
+        Ok(Response::new(pb::LoadResponse {
+            running: st.running.load(Ordering::Relaxed),
+            queued: st.queued.load(Ordering::Relaxed) + st.awaiting_kv.load(Ordering::Relaxed),
+            kv_blocks_used: st.kv_used.load(Ordering::Relaxed),
+            kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
+            kv_blocks_pinned: st.kv_reserved.load(Ordering::Relaxed),
+        }))
+    }
+}
+
+impl Service {
+    async fn write_kv_inner(&self, mut s: Streaming<pb::KvChunk>) -> Result<pb::WriteKvResponse, Status> {
         let first = s.message().await?.ok_or_else(|| Status::invalid_argument("empty KV stream"))?;
         let layout = pdmesh_worker::layout_from_wire(first.layout.as_ref().ok_or_else(|| Status::invalid_argument("first chunk needs the layout"))?)?;
         if layout != self.layout {
@@ -204,17 +266,6 @@ impl pb::decode_server::Decode for Service {
         }
         let n = bytes.len() as u64;
         self.batcher.import(seq, KvBlob { layout, n_tokens, bytes }).await.map_err(|e| pdmesh_worker::status(&e))?;
-        Ok(Response::new(pb::WriteKvResponse { bytes: n }))
-    }
-
-    async fn load(&self, _req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
-        let st = &self.batcher.stats;
-        Ok(Response::new(pb::LoadResponse {
-            running: st.running.load(Ordering::Relaxed),
-            queued: st.queued.load(Ordering::Relaxed) + st.awaiting_kv.load(Ordering::Relaxed),
-            kv_blocks_used: st.kv_used.load(Ordering::Relaxed),
-            kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
-            kv_blocks_pinned: st.kv_reserved.load(Ordering::Relaxed),
-        }))
+        Ok(pb::WriteKvResponse { bytes: n })
     }
 }

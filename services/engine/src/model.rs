@@ -163,6 +163,38 @@ thread_local! {
 /// Query positions one attention task handles (they share one gather).
 const ATT_CHUNK: usize = 32;
 
+thread_local! {
+    static KERNEL_SPANS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether forward steps run on this thread emit one span per kernel launch
+/// (children of the current span: the engine step). Set per step by the
+/// worker's batcher from its kernel-span knob.
+pub fn set_kernel_spans(on: bool) {
+    KERNEL_SPANS.with(|c| c.set(on));
+}
+
+/// A kernel-launch span: name, backend, shape (m rows x n outputs x k
+/// inputs), layer, and the values of the kernel tuning knobs.
+fn kernel_span(on: bool, name: &'static str, be: pdmesh_kernels::Backend, threads: usize, layer: usize, m: usize, n: usize, k: usize) -> Option<tracing::span::EnteredSpan> {
+    on.then(|| {
+        tracing::info_span!(
+            "kernel",
+            otel.name = name,
+            kernel.backend = be.name(),
+            kernel.layer = layer as i64,
+            kernel.m = m as i64,
+            kernel.n = n as i64,
+            kernel.k = k as i64,
+            knob.threads = threads as i64,
+            knob.tile_b = pdmesh_kernels::matmul::TILE_B as i64,
+            knob.row_slice = pdmesh_kernels::matmul::ROW_SLICE as i64,
+            knob.att_chunk = ATT_CHUNK as i64,
+        )
+        .entered()
+    })
+}
+
 impl Model {
     pub fn load(path: &Path) -> Result<(Model, Gguf)> {
         let g = Gguf::open(path)?;
@@ -258,14 +290,28 @@ impl Model {
                 dump_tensor(dir, &format!("{name}-{li}"), v);
             }
         };
+        let on = KERNEL_SPANS.with(|c| c.get());
+        let th = pool.threads();
+        let ks = |name, li, n, k| kernel_span(on, name, be, th, li, n_tok, n, k);
         for (li, layer) in self.layers.iter().enumerate() {
             // Attention block.
+            let k = ks("rms_norm", li, d, d);
             norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn);
+            drop(k);
             dump("attn_norm", li, &s.xn);
+            let k = ks("quantize_q8", li, d, d);
             quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
+            drop(k);
+            let k = ks("matmul_q", li, d, d);
             matmul(be, pool, &layer.wq.matrix(), &s.qa, &mut s.q);
+            drop(k);
+            let k = ks("matmul_k", li, kvd, d);
             matmul(be, pool, &layer.wk.matrix(), &s.qa, &mut s.k);
+            drop(k);
+            let k = ks("matmul_v", li, kvd, d);
             matmul(be, pool, &layer.wv.matrix(), &s.qa, &mut s.v);
+            drop(k);
+            let k = ks("rope_kv_write", li, d + kvd, hd);
             let mut row = 0;
             for item in batch {
                 for i in 0..item.tokens.len() {
@@ -279,28 +325,49 @@ impl Model {
                     row += 1;
                 }
             }
+            drop(k);
             dump("Qcur", li, &s.q);
             dump("Kcur", li, &s.k);
             dump("Vcur", li, &s.v);
+            let k = ks("attention", li, d, batch.iter().map(|b| b.start_pos + b.tokens.len()).max().unwrap_or(0));
             self.attention(pool, kv, batch, li, &s.q, &mut s.att);
+            drop(k);
             dump("kqv_out", li, &s.att);
+            let k = ks("quantize_q8", li, d, d);
             quantize_rows(be, pool, &s.att, n_tok, d, &mut s.qa);
+            drop(k);
+            let k = ks("matmul_o", li, d, d);
             matmul(be, pool, &layer.wo.matrix(), &s.qa, &mut s.proj);
+            drop(k);
             dump("attn_out", li, &s.proj);
             s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
             dump("ffn_inp", li, &s.x);
 
             // Feed-forward block.
+            let k = ks("rms_norm", li, d, d);
             norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn);
+            drop(k);
+            let k = ks("quantize_q8", li, d, d);
             quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
+            drop(k);
+            let k = ks("matmul_gate", li, ff, d);
             matmul(be, pool, &layer.w_gate.matrix(), &s.qa, &mut s.gate);
+            drop(k);
+            let k = ks("matmul_up", li, ff, d);
             matmul(be, pool, &layer.w_up.matrix(), &s.qa, &mut s.up);
+            drop(k);
             dump("ffn_gate", li, &s.gate);
             dump("ffn_up", li, &s.up);
+            let k = ks("silu_mul", li, ff, ff);
             activation::silu_mul_be(be, &mut s.gate, &s.up);
+            drop(k);
             dump("ffn_swiglu", li, &s.gate);
+            let k = ks("quantize_q8", li, ff, ff);
             quantize_rows(be, pool, &s.gate, n_tok, ff, &mut s.qa);
+            drop(k);
+            let k = ks("matmul_down", li, d, ff);
             matmul(be, pool, &layer.w_down.matrix(), &s.qa, &mut s.proj);
+            drop(k);
             dump("ffn_out", li, &s.proj);
             s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
             dump("l_out", li, &s.x);
@@ -327,7 +394,9 @@ impl Model {
         quantize_rows(be, pool, &normed, rows.len(), d, &mut s.qa);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
+        let k = kernel_span(on, "matmul_lm_head", be, th, self.layers.len(), rows.len(), c.vocab_size, d);
         matmul(be, pool, &head.matrix(), &s.qa, &mut logits);
+        drop(k);
         Ok(logits)
     }
 

@@ -10,7 +10,7 @@ pub mod openai;
 
 use std::future::{Future, IntoFuture};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -26,6 +26,9 @@ use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
+use tracing::Instrument;
+
+use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::config::Config;
 use crate::openai::{BadRequest, Kind};
@@ -107,11 +110,14 @@ fn usage_json(f: &pb::Finished) -> Value {
 }
 
 /// Counts the request and its time when dropped (also when the client
-/// disconnects and the response is abandoned).
+/// disconnects and the response is abandoned); its span ends then too.
 struct Tracked {
     g: Arc<Gateway>,
     status: &'static str,
     t0: std::time::Instant,
+    span: tracing::Span,
+    /// How long data waited for the client to take it.
+    wait: ClientWait,
 }
 
 impl Drop for Tracked {
@@ -119,6 +125,47 @@ impl Drop for Tracked {
         self.g.by_status.inc(self.status);
         self.g.e2e.observe(self.t0.elapsed().as_secs_f64());
         self.g.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let end = std::time::Instant::now();
+        self.span.record("gateway.client_wait_ms", self.wait.total.as_secs_f64() * 1e3);
+        self.span.record("gateway.client_tail_ms", self.wait.tail(end).as_secs_f64() * 1e3);
+        self.span.record("gateway.chunks", self.wait.chunks as i64);
+    }
+}
+
+/// Time response data spent ready but not yet taken by the client (its
+/// reads, or a proxy in between, were the bottleneck). `tail` is the last
+/// unbroken stretch of such waiting up to the end of the response: the part
+/// of the request's latency the client alone accounts for.
+#[derive(Default)]
+struct ClientWait {
+    total: Duration,
+    chunks: u64,
+    prev_taken: Option<std::time::Instant>,
+    backlog_since: Option<std::time::Instant>,
+}
+
+impl ClientWait {
+    /// Waiting shorter than this is scheduling noise, not a slow client.
+    const NOISE: Duration = Duration::from_millis(2);
+
+    /// A chunk ready at `ready` was handed to the client at `taken`.
+    fn taken(&mut self, ready: std::time::Instant, taken: std::time::Instant) {
+        self.chunks += 1;
+        let from = self.prev_taken.map_or(ready, |p| ready.max(p));
+        if taken.saturating_duration_since(ready) > Self::NOISE {
+            self.total += taken.saturating_duration_since(from);
+            let contiguous = self.prev_taken.is_some_and(|p| ready <= p);
+            if !(contiguous && self.backlog_since.is_some()) {
+                self.backlog_since = Some(ready);
+            }
+        } else {
+            self.backlog_since = None;
+        }
+        self.prev_taken = Some(taken);
+    }
+
+    fn tail(&self, end: std::time::Instant) -> Duration {
+        self.backlog_since.map_or(Duration::ZERO, |b| end.saturating_duration_since(b))
     }
 }
 
@@ -136,27 +183,117 @@ async fn chat(State(g): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) ->
 
 async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
     g.in_flight.fetch_add(1, Ordering::Relaxed);
-    let mut tracked = Tracked { g: g.clone(), status: "500", t0: std::time::Instant::now() };
-    let r = respond(&g, headers, body, kind).await;
+    let path = match kind {
+        Kind::Chat => "/v1/chat/completions",
+        Kind::Completion => "/v1/completions",
+    };
+    // The request's root span (or a child of the caller's `traceparent`);
+    // it ends when the last byte is handed to the client.
+    let span = tracing::info_span!(
+        "http.server",
+        otel.name = format!("POST {path}"),
+        otel.kind = "server",
+        http.request.method = "POST",
+        url.path = path,
+        http.response.status_code = tracing::field::Empty,
+        pdmesh.request_id = tracing::field::Empty,
+        gateway.client_wait_ms = tracing::field::Empty,
+        gateway.client_tail_ms = tracing::field::Empty,
+        gateway.chunks = tracing::field::Empty,
+    );
+    if telemetry::enabled() {
+        let _ = span.set_parent(telemetry::extract_http(&headers));
+    }
+    let trace_id = telemetry::trace_id(&span);
+    let mut tracked = Tracked { g: g.clone(), status: "500", t0: std::time::Instant::now(), span: span.clone(), wait: ClientWait::default() };
+    let mut r = respond(&g, headers, body, kind).instrument(span.clone()).await;
     tracked.status = status_label(r.status().as_u16());
+    span.record("http.response.status_code", r.status().as_u16() as i64);
+    if r.status().is_server_error() {
+        telemetry::mark_error(&span, tracked.status);
+    }
+    if let Some(id) = trace_id.and_then(|t| t.parse().ok()) {
+        r.headers_mut().insert("x-pdmesh-trace-id", id);
+    }
     if r.status() == StatusCode::OK {
-        // Streaming bodies keep `tracked` until their last byte is written.
-        let (parts, body) = r.into_parts();
-        let body = Body::from_stream(TrackedBody { inner: body.into_data_stream(), _t: tracked });
+        // Bodies keep `tracked` (and the span) until their last byte is handed over.
+        let (mut parts, body) = r.into_parts();
+        let chunks = parts.extensions.remove::<SseChunks>();
+        let body = match chunks {
+            Some(c) => Body::from_stream(TrackedBody { inner: c.take(), t: tracked, delay: None }),
+            None => {
+                tracked.wait.chunks = 1;
+                Body::from_stream(PlainBody { inner: body.into_data_stream(), _t: tracked })
+            }
+        };
         return Response::from_parts(parts, body);
     }
     r
 }
 
-struct TrackedBody<S> {
+/// The SSE chunks of a streaming response, each with the time it was ready.
+#[derive(Clone)]
+struct SseChunks(Arc<Mutex<Option<tokio::sync::mpsc::Receiver<(std::time::Instant, Bytes)>>>>);
+
+impl SseChunks {
+    fn take(self) -> Option<tokio::sync::mpsc::Receiver<(std::time::Instant, Bytes)>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+struct PlainBody<S> {
     inner: S,
     _t: Tracked,
 }
 
-impl<S: tokio_stream::Stream + Unpin> tokio_stream::Stream for TrackedBody<S> {
+impl<S: tokio_stream::Stream + Unpin> tokio_stream::Stream for PlainBody<S> {
     type Item = S::Item;
     fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<S::Item>> {
         std::pin::Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+/// An SSE body that records, per chunk, how long it waited for the client.
+/// Test-only fault `gateway.slow_client_ms`: hand each chunk over that much
+/// later, as a client (or proxy) that reads slowly would take it.
+struct TrackedBody {
+    inner: Option<tokio::sync::mpsc::Receiver<(std::time::Instant, Bytes)>>,
+    t: Tracked,
+    delay: Option<(std::pin::Pin<Box<tokio::time::Sleep>>, std::time::Instant, Bytes)>,
+}
+
+impl tokio_stream::Stream for TrackedBody {
+    type Item = Result<Bytes, std::io::Error>;
+    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        loop {
+            if let Some((sleep, ready, _)) = self.delay.as_mut() {
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let ready = *ready;
+                let (_, _, bytes) = self.delay.take().expect("checked");
+                self.t.wait.taken(ready, std::time::Instant::now());
+                return Poll::Ready(Some(Ok(bytes)));
+            }
+            let Some(rx) = self.inner.as_mut() else { return Poll::Ready(None) };
+            match rx.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    self.inner = None;
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some((ready, bytes))) => {
+                    let slow = pdmesh_core::faults::get("gateway.slow_client_ms");
+                    if slow > 0 {
+                        self.delay = Some((Box::pin(tokio::time::sleep(Duration::from_millis(slow))), ready, bytes));
+                        continue;
+                    }
+                    self.t.wait.taken(ready, std::time::Instant::now());
+                    return Poll::Ready(Some(Ok(bytes)));
+                }
+            }
+        }
     }
 }
 
@@ -172,6 +309,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         _ => format!("{prefix}-{:x}{:06x}", now_s(), g.next_id.fetch_add(1, Ordering::Relaxed)),
     };
     parsed.request.request_id = id.clone();
+    tracing::Span::current().record("pdmesh.request_id", id.as_str());
     let mut deadline = Duration::from_secs_f64(g.config.request_timeout_s.max(0.001));
     if let Some(t) = headers.get("x-request-timeout").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok()) {
         if t > 0.0 && t.is_finite() {
@@ -185,7 +323,8 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         Ok(c) => c,
         Err(e) => return error_body(500, &e, "internal_error", None, None),
     };
-    let mut req = tonic::Request::new(parsed.request);
+    // The client span lasts as long as the router's stream.
+    let (mut req, rpc) = telemetry::client_request("pdmesh.router.v1.Router/Generate", parsed.request);
     req.set_timeout(deadline);
     let mut client = pb::router_client::RouterClient::new(ch);
     let call = async {
@@ -194,10 +333,16 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         let first = s.message().await?;
         Ok::<_, tonic::Status>((s, first))
     };
-    let (mut stream, first) = match tokio::time::timeout(deadline + Duration::from_millis(500), call).await {
+    let (mut stream, first) = match tokio::time::timeout(deadline + Duration::from_millis(500), call.instrument(rpc.clone())).await {
         Ok(Ok(x)) => x,
-        Ok(Err(s)) => return status_response(&s),
-        Err(_) => return error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded")),
+        Ok(Err(s)) => {
+            telemetry::record_status(&rpc, Some(&s));
+            return status_response(&s);
+        }
+        Err(_) => {
+            telemetry::mark_error(&rpc, "deadline exceeded");
+            return error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded"));
+        }
     };
     let created = now_s();
     let model = parsed.model.clone();
@@ -213,6 +358,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
             match ev {
                 pb::generate_response::Event::Delta(d) => text.push_str(&d.text),
                 pb::generate_response::Event::Finished(f) => {
+                    telemetry::record_status(&rpc, None);
                     let fr = finish_reason(&f);
                     let body = if chat {
                         json!({ "id": id, "object": "chat.completion", "created": created, "model": model,
@@ -228,14 +374,20 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
             }
             next = match tokio::time::timeout_at(until, stream.message()).await {
                 Ok(Ok(m)) => m,
-                Ok(Err(s)) => return status_response(&s),
+                Ok(Err(s)) => {
+                    telemetry::record_status(&rpc, Some(&s));
+                    return status_response(&s);
+                }
                 Err(_) => return error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded")),
             };
         }
     }
     // SSE: one chunk per delta, a final chunk with the finish reason, usage if asked, [DONE].
     let include_usage = parsed.include_usage;
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
+    // Roomy: the router should never wait on a slow client; the body records
+    // how long each chunk waited for it instead.
+    let (tx, rx) = tokio::sync::mpsc::channel::<(std::time::Instant, Bytes)>(1024);
+    let tx = Timed(tx);
     tokio::spawn(async move {
         let chunk = |delta: Value, fr: Value| -> Bytes {
             let v = if chat {
@@ -247,7 +399,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
             };
             Bytes::from(format!("data: {v}\n\n"))
         };
-        if chat && tx.send(Ok(chunk(json!({ "role": "assistant", "content": "" }), Value::Null))).await.is_err() {
+        if chat && tx.send(chunk(json!({ "role": "assistant", "content": "" }), Value::Null)).await.is_err() {
             return;
         }
         let mut next = Ok(first);
@@ -256,41 +408,59 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
                 Ok(Some(m)) => m.event,
                 Ok(None) => None,
                 Err(s) => {
+                    telemetry::record_status(&rpc, Some(&s));
                     let (st, kind, code) = http_of(&s);
                     let e = json!({ "error": { "message": s.message(), "type": kind, "param": null, "code": code, "status": st } });
-                    let _ = tx.send(Ok(Bytes::from(format!("data: {e}\n\n")))).await;
+                    let _ = tx.send(Bytes::from(format!("data: {e}\n\n"))).await;
                     return;
                 }
             };
             match ev {
                 Some(pb::generate_response::Event::Delta(d)) => {
-                    if !d.text.is_empty() && tx.send(Ok(chunk(json!({ "content": d.text }), Value::Null))).await.is_err() {
+                    if !d.text.is_empty() && tx.send(chunk(json!({ "content": d.text }), Value::Null)).await.is_err() {
                         return; // client gone: dropping `stream` cancels the request
                     }
                 }
                 Some(pb::generate_response::Event::Finished(f)) => {
-                    let _ = tx.send(Ok(chunk(json!({}), json!(finish_reason(&f))))).await;
+                    telemetry::record_status(&rpc, None);
+                    drop(rpc);
+                    let _ = tx.send(chunk(json!({}), json!(finish_reason(&f)))).await;
                     if include_usage {
                         let u = json!({ "id": id, "object": if chat { "chat.completion.chunk" } else { "text_completion" }, "created": created, "model": model, "choices": [], "usage": usage_json(&f) });
-                        let _ = tx.send(Ok(Bytes::from(format!("data: {u}\n\n")))).await;
+                        let _ = tx.send(Bytes::from(format!("data: {u}\n\n"))).await;
                     }
-                    let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+                    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
                     return;
                 }
                 None => {
+                    telemetry::mark_error(&rpc, "stream ended without finishing");
                     let e = json!({ "error": { "message": "the router ended the stream without finishing", "type": "service_unavailable", "param": null, "code": "unavailable" } });
-                    let _ = tx.send(Ok(Bytes::from(format!("data: {e}\n\n")))).await;
+                    let _ = tx.send(Bytes::from(format!("data: {e}\n\n"))).await;
                     return;
                 }
             }
             next = tokio::select! {
                 m = stream.message() => m,
-                _ = tx.closed() => return,
+                _ = tx.0.closed() => {
+                    telemetry::mark_error(&rpc, "client went away");
+                    return;
+                }
             };
         }
     });
-    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-    ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], body).into_response()
+    // `handle` takes the chunks out and wraps them in a TrackedBody.
+    let mut r = ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::empty()).into_response();
+    r.extensions_mut().insert(SseChunks(Arc::new(Mutex::new(Some(rx)))));
+    r
+}
+
+/// Sends each chunk with the time it became ready.
+struct Timed(tokio::sync::mpsc::Sender<(std::time::Instant, Bytes)>);
+
+impl Timed {
+    async fn send(&self, b: Bytes) -> Result<(), ()> {
+        self.0.send((std::time::Instant::now(), b)).await.map_err(|_| ())
+    }
 }
 
 async fn models(State(g): State<Arc<Gateway>>) -> Response {

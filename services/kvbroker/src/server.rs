@@ -8,6 +8,9 @@ use pdmesh_proto::kvbroker::v1 as pb;
 use pb::{Ticket, TicketState};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::error::Error;
 use crate::tickets::{is_terminal, Tickets};
@@ -33,6 +36,16 @@ impl Broker {
     }
 }
 
+/// Record a ticket RPC's outcome (status, the ticket's state after it) on its span.
+fn traced(span: tracing::Span, r: Result<Ticket, Error>) -> Result<Response<Ticket>, Status> {
+    let r = r.map_err(Status::from);
+    if let Ok(t) = &r {
+        span.set_attribute("pdmesh.ticket", t.request_id.clone());
+        span.set_attribute("pdmesh.ticket.state", state(t).as_str_name());
+    }
+    telemetry::finish(&span, r).map(Response::new)
+}
+
 fn state(t: &Ticket) -> TicketState {
     TicketState::try_from(t.state).unwrap_or(TicketState::Unspecified)
 }
@@ -51,88 +64,104 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn get_agent(&self, req: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/GetAgent", &req);
         let id = req.into_inner().worker_id;
         let agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
-        let a = agents.get(&id).cloned().ok_or(Error::UnknownAgent(id))?;
-        Ok(Response::new(a))
+        let a = agents.get(&id).cloned().ok_or(Error::UnknownAgent(id)).map_err(Status::from);
+        telemetry::finish(&span, a).map(Response::new)
     }
 
     async fn open_ticket(&self, req: Request<pb::OpenTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/OpenTicket", &req);
         let r = req.into_inner();
-        let lease = self.lease(r.lease_ms)?;
-        let t = self.table().open(&r.request_id, &r.dest_worker, r.dest_blocks, r.n_tokens, lease, now_ms()).map_err(Error::from)?;
-        Ok(Response::new(t))
+        span.set_attribute("pdmesh.ticket.blocks", r.dest_blocks.len() as i64);
+        span.set_attribute("pdmesh.ticket.lease_ms", r.lease_ms as i64);
+        let t = self.lease(r.lease_ms).and_then(|lease| Ok(self.table().open(&r.request_id, &r.dest_worker, r.dest_blocks, r.n_tokens, lease, now_ms())?));
+        traced(span, t)
     }
 
     /// Waits (bounded by the caller's deadline) for the decode worker to open the ticket.
     async fn claim_ticket(&self, req: Request<pb::ClaimTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/ClaimTicket", &req);
         let r = req.into_inner();
         let mut rx = self.table().subscribe(&r.request_id, now_ms());
-        let cur = rx
-            .wait_for(|t| state(t) != TicketState::Unspecified)
-            .await
-            .map_err(|_| Status::unavailable("broker shutting down"))?
-            .clone();
+        let cur = match rx.wait_for(|t| state(t) != TicketState::Unspecified).instrument(span.clone()).await {
+            Ok(t) => t.clone(),
+            Err(_) => return telemetry::finish(&span, Err(Status::unavailable("broker shutting down"))),
+        };
         if state(&cur) != TicketState::Open {
-            return Err(Error::from(crate::tickets::TicketError::WrongState(r.request_id, state(&cur))).into());
+            return traced(span, Err(crate::tickets::TicketError::WrongState(r.request_id, state(&cur)).into()));
         }
-        let t = self.table().claim(&r.request_id, &r.source_worker, now_ms()).map_err(Error::from)?;
-        Ok(Response::new(t))
+        let t = self.table().claim(&r.request_id, &r.source_worker, now_ms());
+        traced(span, t.map_err(Error::from))
     }
 
     async fn begin_write(&self, req: Request<pb::BeginWriteRequest>) -> Result<Response<Ticket>, Status> {
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/BeginWrite", &req);
         let r = req.into_inner();
-        let t = self.table().begin_write(&r.request_id, now_ms()).map_err(Error::from)?;
-        Ok(Response::new(t))
+        let t = self.table().begin_write(&r.request_id, now_ms());
+        traced(span, t.map_err(Error::from))
     }
 
     async fn complete_ticket(&self, req: Request<pb::CompleteTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/CompleteTicket", &req);
         let r = req.into_inner();
+        span.set_attribute("pdmesh.kv.bytes", r.bytes as i64);
         let outcome = match r.outcome {
             Some(pb::complete_ticket_request::Outcome::FirstToken(t)) => Ok(t),
             Some(pb::complete_ticket_request::Outcome::Failure(why)) => Err(why),
-            None => return Err(Error::Invalid("outcome is required".into()).into()),
+            None => return traced(span, Err(Error::Invalid("outcome is required".into()))),
         };
-        let t = self.table().complete(&r.request_id, outcome, r.bytes, now_ms()).map_err(Error::from)?;
-        Ok(Response::new(t))
+        let t = self.table().complete(&r.request_id, outcome, r.bytes, now_ms());
+        traced(span, t.map_err(Error::from))
     }
 
     async fn cancel_ticket(&self, req: Request<pb::CancelTicketRequest>) -> Result<Response<Ticket>, Status> {
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/CancelTicket", &req);
         let r = req.into_inner();
         if r.request_id.is_empty() {
-            return Err(Error::Invalid("request_id is required".into()).into());
+            return traced(span, Err(Error::Invalid("request_id is required".into())));
         }
-        Ok(Response::new(self.table().cancel(&r.request_id, &r.reason, now_ms())))
+        let t = self.table().cancel(&r.request_id, &r.reason, now_ms());
+        traced(span, Ok(t))
     }
 
     async fn renew_lease(&self, req: Request<pb::RenewLeaseRequest>) -> Result<Response<Ticket>, Status> {
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/RenewLease", &req);
         let r = req.into_inner();
-        let lease = self.lease(r.lease_ms)?;
-        Ok(Response::new(self.table().renew(&r.request_id, lease, now_ms()).map_err(Error::from)?))
+        let t = self.lease(r.lease_ms).and_then(|lease| Ok(self.table().renew(&r.request_id, lease, now_ms())?));
+        traced(span, t)
     }
 
     type WatchTicketStream = TicketStream;
 
     /// The current ticket, then each change, ending after a terminal state.
     async fn watch_ticket(&self, req: Request<pb::WatchTicketRequest>) -> Result<Response<TicketStream>, Status> {
+        // The span lasts until the ticket ends (or the watcher goes away).
+        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/WatchTicket", &req);
         let id = req.into_inner().request_id;
         if id.is_empty() {
-            return Err(Error::Invalid("request_id is required".into()).into());
+            return telemetry::finish(&span, Err(Error::Invalid("request_id is required".into()).into()));
         }
+        span.set_attribute("pdmesh.ticket", id.clone());
         let mut rx = self.table().subscribe(&id, now_ms());
         let (tx, out) = tokio::sync::mpsc::channel(8);
-        tokio::spawn(async move {
-            loop {
-                let t = rx.borrow_and_update().clone();
-                let end = is_terminal(state(&t));
-                if tx.send(Ok(t)).await.is_err() || end {
-                    return;
-                }
-                if rx.changed().await.is_err() {
-                    return;
+        tokio::spawn(
+            async move {
+                loop {
+                    let t = rx.borrow_and_update().clone();
+                    let end = is_terminal(state(&t));
+                    tracing::Span::current().set_attribute("pdmesh.ticket.state", state(&t).as_str_name());
+                    if tx.send(Ok(t)).await.is_err() || end {
+                        return;
+                    }
+                    if rx.changed().await.is_err() {
+                        return;
+                    }
                 }
             }
-        });
+            .instrument(span),
+        );
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
     }
 }

@@ -8,9 +8,13 @@
 //!   addresses, health and load.
 //! - `meshctl generate "text"`: one request through the router, streamed.
 //! - `meshctl bench`: the mesh against the engine alone, same workload.
+//! - `meshctl explain TRACE_ID`: where a request's time went, from its trace.
+//! - `meshctl probe`: one small request, beside the live load it met.
+//! - `meshctl collect`: a small OTLP receiver writing spans to a file.
 
 mod bench;
 mod generate;
+mod inspect;
 mod kvbench;
 mod status;
 mod up;
@@ -55,6 +59,12 @@ enum Cmd {
     Bench(bench::Args),
     /// Move one prompt's KV between two processes with NIXL and TCP, beside memcpy.
     Kvbench(kvbench::Args),
+    /// Where one request's time went, from its trace (Jaeger or an OTLP/JSON file).
+    Explain(inspect::ExplainArgs),
+    /// Send one small request and report its latency beside the load it met.
+    Probe(inspect::ProbeArgs),
+    /// Receive OTLP/gRPC spans and append them to an OTLP/JSON-lines file (when there is no Jaeger).
+    Collect(inspect::CollectArgs),
 }
 
 #[tokio::main]
@@ -66,6 +76,9 @@ async fn main() -> ExitCode {
         Cmd::Generate(a) => generate::run(a).await,
         Cmd::Bench(a) => bench::run(a).await,
         Cmd::Kvbench(a) => kvbench::run(a).await,
+        Cmd::Explain(a) => inspect::explain_cmd(a).await,
+        Cmd::Probe(a) => inspect::probe_cmd(a).await,
+        Cmd::Collect(a) => inspect::collect_cmd(a).await,
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -56,6 +56,12 @@ pub struct Args {
     /// Do not restart a service that exits on its own.
     #[arg(long)]
     pub no_restart: bool,
+    /// Tracing flags, passed to every service.
+    #[command(flatten)]
+    pub telemetry: pdmesh_core::telemetry::TelemetryArgs,
+    /// Which engine steps of prefill and decode carry kernel-launch spans: off, all, or the first N steps of each request.
+    #[arg(long, env = "PDMESH_TRACE_KERNEL_STEPS", default_value = "off")]
+    pub trace_kernel_steps: String,
 }
 
 struct Svc {
@@ -170,6 +176,15 @@ pub async fn run(a: Args) -> Result<(), String> {
             if a.enable_fault_injection {
                 args.push("--enable-fault-injection".into());
             }
+            if let Some(e) = &a.telemetry.otlp_endpoint {
+                args.extend(["--otlp-endpoint".into(), e.clone()]);
+            }
+            args.extend([
+                "--trace-sample-ratio".into(),
+                a.telemetry.trace_sample_ratio.to_string(),
+                "--trace-export-delay-ms".into(),
+                a.telemetry.trace_export_delay_ms.to_string(),
+            ]);
             if name == "decode" {
                 args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
             }
@@ -188,6 +203,8 @@ pub async fn run(a: Args) -> Result<(), String> {
                         batch.to_string(),
                         "--kv-transport".into(),
                         a.kv_transport.clone(),
+                        "--trace-kernel-steps".into(),
+                        a.trace_kernel_steps.clone(),
                     ]);
                 }
                 _ => {}

@@ -9,16 +9,22 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
 use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
+use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 
 pub struct Job {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub reply: oneshot::Sender<Result<Pinned, EngineError>>,
+    /// The request's span (parent of `prefill_forward`).
+    pub span: tracing::Span,
+    /// `queued`: ends when the job is taken into a step.
+    pub queued: tracing::Span,
+    pub enqueued: Instant,
 }
 
 /// A prefilled sequence whose blocks are pinned in this worker's arena.
@@ -82,7 +88,7 @@ impl Drop for StopOnDrop {
 }
 
 impl Batcher {
-    pub fn start(engine: Engine, max_batch: usize, batch_tokens: usize) -> Batcher {
+    pub fn start(engine: Engine, max_batch: usize, batch_tokens: usize, kernel_spans: KernelSpans) -> Batcher {
         let stats = Arc::new(Stats {
             running: AtomicU32::new(0),
             queued: AtomicU32::new(0),
@@ -102,18 +108,28 @@ impl Batcher {
         let (q2, s2) = (q.clone(), stats.clone());
         std::thread::Builder::new()
             .name("prefill-loop".into())
-            .spawn(move || run(engine, q2, s2, max_batch.max(1), batch_tokens.max(1)))
+            .spawn(move || run(engine, q2, s2, max_batch.max(1), batch_tokens.max(1), kernel_spans))
             .expect("spawn prefill loop");
         Batcher { _stop: Arc::new(StopOnDrop(q.clone())), q, stats }
     }
 
     /// Queue a prompt; resolves with its first token and pinned blocks.
-    /// The returned guard releases the blocks when dropped.
+    /// The returned guard releases the blocks when dropped. Spans: `queued`
+    /// (with the queue depth and running count on arrival) and
+    /// `prefill_forward`, children of the current span.
     pub async fn prefill(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Pinned, EngineError> {
         let (reply, rx) = oneshot::channel();
         {
             let mut g = self.q.state.lock().unwrap_or_else(|e| e.into_inner());
-            g.jobs.push_back(Job { prompt, params, reply });
+            let span = tracing::Span::current();
+            let queued = tracing::info_span!(
+                "queued",
+                prefill.queue_depth = g.jobs.len() as i64,
+                prefill.running = self.stats.running.load(Ordering::Relaxed) as i64,
+                prompt_tokens = prompt.len() as i64,
+                queue.held_ms = tracing::field::Empty,
+            );
+            g.jobs.push_back(Job { prompt, params, reply, span, queued, enqueued: Instant::now() });
             self.stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
         }
         self.q.wake.notify_one();
@@ -150,7 +166,7 @@ impl Drop for Pinned {
     }
 }
 
-fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, batch_tokens: usize) {
+fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, batch_tokens: usize, kernel_spans: KernelSpans) {
     let mut pinned: std::collections::HashMap<SeqId, u32> = Default::default();
     loop {
         let mut batch: Vec<Job> = Vec::new();
@@ -162,12 +178,26 @@ fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, b
             if g.stop {
                 return;
             }
+            // Test-only fault: keep each prompt queued at least this long.
+            let hold = Duration::from_millis(pdmesh_core::faults::get("prefill.queue_hold_ms"));
             let mut tokens = 0;
             while let Some(j) = g.jobs.front() {
                 if j.reply.is_closed() {
                     g.jobs.pop_front();
                     stats.outcomes.inc("cancelled");
                     continue;
+                }
+                let waited = j.enqueued.elapsed();
+                if waited < hold {
+                    if batch.is_empty() && g.cmds.is_empty() {
+                        let (g2, _) = q.wake.wait_timeout(g, hold - waited).unwrap_or_else(|e| e.into_inner());
+                        g = g2;
+                        continue;
+                    }
+                    break;
+                }
+                if !hold.is_zero() {
+                    j.queued.record("queue.held_ms", hold.as_millis() as i64);
                 }
                 // Always take one, however long; then fill up to the budgets.
                 if !batch.is_empty() && (batch.len() >= max_batch || tokens + j.prompt.len() > batch_tokens) {
@@ -199,6 +229,15 @@ fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, b
         stats.running.store(batch.len() as u32, Ordering::Relaxed);
         let mut ids = Vec::new();
         let mut admitted = Vec::new();
+        let n_batch = batch.len();
+        let batch_tokens: usize = batch.iter().map(|j| j.prompt.len()).sum();
+        let forwards: Vec<tracing::Span> = batch
+            .iter_mut()
+            .map(|job| {
+                job.queued = tracing::Span::none(); // ends the `queued` span
+                tracing::info_span!(parent: &job.span, "prefill_forward", batch_size = n_batch as i64, batch_tokens = batch_tokens as i64, prompt_tokens = job.prompt.len() as i64)
+            })
+            .collect();
         for job in batch {
             // Only the prompt is run here; the decode worker holds the rest.
             let params = SamplingParams { max_tokens: 1, ..job.params.clone() };
@@ -214,8 +253,16 @@ fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, b
         }
         stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);
         if !ids.is_empty() {
+            let step = pdmesh_worker::step_span("prefill_step", forwards.iter(), n_batch);
             let t = Instant::now();
-            let result = engine.prefill(&ids);
+            let result = {
+                let _in = step.enter();
+                pdmesh_engine::model::set_kernel_spans(!step.is_disabled() && kernel_spans.covers(1));
+                let r = engine.prefill(&ids);
+                pdmesh_engine::model::set_kernel_spans(false);
+                r
+            };
+            drop(step);
             stats.step_seconds.observe(t.elapsed().as_secs_f64());
             stats.steps.fetch_add(1, Ordering::Relaxed);
             let events = match result {
@@ -250,6 +297,7 @@ fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, b
                 }
             }
         }
+        drop(forwards);
         stats.running.store(0, Ordering::Relaxed);
         stats.kv_pinned.store(pinned.values().sum(), Ordering::Relaxed);
         stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);

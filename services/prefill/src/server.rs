@@ -11,6 +11,9 @@ use pdmesh_core::peers::Peers;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use pdmesh_proto::prefill::v1 as pb;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use pdmesh_core::telemetry;
 
 use crate::batcher::Batcher;
 use crate::transport::KvTransport;
@@ -36,9 +39,9 @@ impl Service {
     /// transfer (a restarted decode keeps its id but has a new arena and
     /// NIXL agent).
     async fn agent(&self, broker: &mut pdmesh_worker::BrokerClient, worker: &str) -> Result<kpb::Agent, Status> {
-        Ok(broker
-            .get_agent(kpb::GetAgentRequest { worker_id: worker.into() })
-            .await
+        let (req, span) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/GetAgent", kpb::GetAgentRequest { worker_id: worker.into() });
+        let r = broker.get_agent(req).instrument(span.clone()).await;
+        Ok(telemetry::finish(&span, r)
             .map_err(|e| Status::unavailable(format!("decode worker {worker} is unknown to the kvbroker: {}", e.message())))?
             .into_inner())
     }
@@ -63,9 +66,14 @@ impl Service {
         };
         let first = pinned.p.first_token;
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
-        let mut claim = Request::new(kpb::ClaimTicketRequest { request_id: r.request_id.clone(), source_worker: self.worker_id.clone() });
+        let (mut claim, span) = telemetry::client_request(
+            "pdmesh.kvbroker.v1.KvBroker/ClaimTicket",
+            kpb::ClaimTicketRequest { request_id: r.request_id.clone(), source_worker: self.worker_id.clone() },
+        );
         claim.set_timeout(self.claim_timeout);
-        let ticket = broker.claim_ticket(claim).await.map_err(|e| match e.code() {
+        let claimed = broker.claim_ticket(claim).instrument(span.clone()).await;
+        drop(span);
+        let ticket = claimed.map_err(|e| match e.code() {
             tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => Status::deadline_exceeded("no decode worker opened the transfer ticket in time"),
             tonic::Code::FailedPrecondition => Status::failed_precondition(format!("transfer ticket ended before the KV was written: {}", e.message())),
             _ => Status::unavailable(format!("kvbroker: {}", e.message())),
@@ -76,12 +84,37 @@ impl Service {
             let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
             return Err(Status::failed_precondition(why));
         }
-        let agent = self.agent(&mut broker, &ticket.dest_worker).await?;
+        // `kv_transfer`: finding the destination, the write itself, completing the ticket.
+        let xfer = tracing::info_span!(
+            "kv_transfer",
+            kv.transport = tracing::field::Empty,
+            kv.bytes = tracing::field::Empty,
+            kv.blocks = pinned.p.blocks.len() as i64,
+            kv.tokens = pinned.p.n_tokens as i64,
+            kv.dest_worker = ticket.dest_worker.as_str(),
+            kv.write_ms = tracing::field::Empty,
+            kv.gbps = tracing::field::Empty,
+            fault.stall_ms = tracing::field::Empty,
+        );
+        let r2 = self.transfer(&r.request_id, ticket, pinned, first, &mut broker).instrument(xfer.clone()).await;
+        if let Err(e) = &r2 {
+            telemetry::mark_error(&xfer, e.message());
+        }
+        r2
+    }
+
+    async fn transfer(&self, request_id: &str, ticket: kpb::Ticket, pinned: crate::batcher::Pinned, first: u32, broker: &mut pdmesh_worker::BrokerClient) -> Result<pb::PrefillResponse, Status> {
+        let span = tracing::Span::current();
+        let agent = self.agent(broker, &ticket.dest_worker).await?;
         let transport = self.transports.iter().find(|t| t.reaches(&agent)).ok_or_else(|| Status::failed_precondition(format!("no transport reaches decode worker {}", ticket.dest_worker)))?;
+        span.record("kv.transport", transport.name());
         let stall = pdmesh_core::faults::get("prefill.transfer_delay_ms");
         if stall > 0 {
+            span.record("fault.stall_ms", stall as i64);
+        }
+        if stall > 0 {
             // While stalled, follow the ticket: if it ends, give up at once.
-            let mut watch = broker.watch_ticket(kpb::WatchTicketRequest { request_id: r.request_id.clone() }).await?.into_inner();
+            let mut watch = broker.watch_ticket(kpb::WatchTicketRequest { request_id: request_id.to_string() }).await?.into_inner();
             let ended = async {
                 while let Ok(Some(t)) = watch.message().await {
                     let s = kpb::TicketState::try_from(t.state).unwrap_or(kpb::TicketState::Unspecified);
@@ -106,13 +139,12 @@ impl Service {
         let now = pdmesh_core::now_ms();
         if ticket.lease_deadline_unix_ms < now + WRITE_MARGIN_MS {
             let why = format!("transfer lease ends in {} ms; not starting the write", ticket.lease_deadline_unix_ms.saturating_sub(now));
-            let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
+            let _ = broker.complete_ticket(fail(request_id, &why)).await;
             return Err(Status::deadline_exceeded(why));
         }
-        broker
-            .begin_write(kpb::BeginWriteRequest { request_id: r.request_id.clone() })
-            .await
-            .map_err(|e| Status::failed_precondition(format!("transfer ticket ended before the write began: {}", e.message())))?;
+        let (begin, bspan) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/BeginWrite", kpb::BeginWriteRequest { request_id: request_id.to_string() });
+        let begun = broker.begin_write(begin).instrument(bspan.clone()).await;
+        telemetry::finish(&bspan, begun).map_err(|e| Status::failed_precondition(format!("transfer ticket ended before the write began: {}", e.message())))?;
         let t0 = Instant::now();
         let moved = transport.write(&agent, &ticket, &pinned).await;
         drop(pinned); // the KV is in the decode's blocks (or failed): free ours
@@ -120,17 +152,23 @@ impl Service {
         match moved {
             Ok(bytes) => {
                 let st = &self.batcher.stats;
-                st.transfer_seconds.observe(t0.elapsed().as_secs_f64());
+                let secs = t0.elapsed().as_secs_f64();
+                span.record("kv.bytes", bytes as i64);
+                span.record("kv.write_ms", secs * 1e3);
+                span.record("kv.gbps", bytes as f64 / secs.max(1e-9) / 1e9);
+                st.transfer_seconds.observe(secs);
                 st.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
                 if name == "nixl" { &st.transfers_nixl } else { &st.transfers_tcp }.fetch_add(1, Ordering::Relaxed);
-                let done = kpb::CompleteTicketRequest { request_id: r.request_id.clone(), outcome: Some(kpb::complete_ticket_request::Outcome::FirstToken(first)), bytes };
-                broker.complete_ticket(done).await.map_err(|e| Status::failed_precondition(format!("ticket could not be completed: {}", e.message())))?;
+                let done = kpb::CompleteTicketRequest { request_id: request_id.to_string(), outcome: Some(kpb::complete_ticket_request::Outcome::FirstToken(first)), bytes };
+                let (done, cspan) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/CompleteTicket", done);
+                let completed = broker.complete_ticket(done).instrument(cspan.clone()).await;
+                telemetry::finish(&cspan, completed).map_err(|e| Status::failed_precondition(format!("ticket could not be completed: {}", e.message())))?;
                 Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: name.into() })
             }
             Err(e) => {
                 transport.forget(&ticket.dest_worker);
                 let why = format!("writing the KV to {} over {name} failed: {}", ticket.dest_worker, e.message());
-                let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
+                let _ = broker.complete_ticket(fail(request_id, &why)).await;
                 Err(Status::unavailable(why))
             }
         }
@@ -139,9 +177,10 @@ impl Service {
     /// Best effort: the ticket may not be open yet, or gone.
     async fn renew(&self, request_id: &str) {
         let Ok(mut b) = pdmesh_worker::broker(&self.broker, Duration::from_millis(200)).await else { return };
-        let mut req = Request::new(kpb::RenewLeaseRequest { request_id: request_id.into(), lease_ms: self.lease_renew_ms as u32 });
+        let (mut req, span) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/RenewLease", kpb::RenewLeaseRequest { request_id: request_id.into(), lease_ms: self.lease_renew_ms as u32 });
         req.set_timeout(Duration::from_secs(1));
-        let _ = b.renew_lease(req).await;
+        let r = b.renew_lease(req).instrument(span.clone()).await;
+        let _ = telemetry::finish(&span, r);
     }
 }
 
@@ -152,7 +191,9 @@ fn fail(request_id: &str, why: &str) -> kpb::CompleteTicketRequest {
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for Service {
     async fn prefill(&self, req: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
-        let r = self.run(req.into_inner()).await;
+        let span = telemetry::server_span("pdmesh.prefill.v1.Prefill/Prefill", &req);
+        let r = self.run(req.into_inner()).instrument(span.clone()).await;
+        let r = telemetry::finish(&span, r);
         let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());
         self.batcher.stats.outcomes.inc(outcome_of(code));
         r.map(Response::new)

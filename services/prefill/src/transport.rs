@@ -121,6 +121,8 @@ impl KvTransport for TcpTransport {
             })
             .collect();
         let mut client = dpb::decode_client::DecodeClient::new(self.channel(&agent.address)?).max_encoding_message_size(64 << 20);
-        Ok(client.write_kv(tokio_stream::iter(chunks)).await?.into_inner().bytes)
+        let (req, span) = pdmesh_core::telemetry::client_request("pdmesh.decode.v1.Decode/WriteKv", tokio_stream::iter(chunks));
+        let r = tracing::Instrument::instrument(client.write_kv(req), span.clone()).await;
+        Ok(pdmesh_core::telemetry::finish(&span, r)?.into_inner().bytes)
     }
 }

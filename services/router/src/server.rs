@@ -22,6 +22,9 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::stop::StopMatcher;
 
@@ -176,7 +179,9 @@ impl Router {
             .get_or_try_init(|| async {
                 let _ = self.tokenizer.wait_any(PEER_WAIT).await;
                 let mut c = self.tokenizer_client()?;
-                Ok::<_, Status>(c.info(tpb::InfoRequest {}).await?.into_inner())
+                let (req, span) = telemetry::client_request("pdmesh.tokenizer.v1.Tokenizer/Info", tpb::InfoRequest {});
+                let r = c.info(req).instrument(span.clone()).await;
+                Ok::<_, Status>(telemetry::finish(&span, r)?.into_inner())
             })
             .await
     }
@@ -190,7 +195,9 @@ impl Router {
                 messages: c.messages.into_iter().map(|m| tpb::ChatMessage { role: m.role, content: m.content }).collect(),
             }),
         };
-        let r = c.encode(tpb::EncodeRequest { input: Some(input), parse_special: false }).await.map_err(|e| match e.code() {
+        let (req, span) = telemetry::client_request("pdmesh.tokenizer.v1.Tokenizer/Encode", tpb::EncodeRequest { input: Some(input), parse_special: false });
+        let r = c.encode(req).instrument(span.clone()).await;
+        let r = telemetry::finish(&span, r).map_err(|e| match e.code() {
             tonic::Code::InvalidArgument => e,
             _ => Status::unavailable(format!("tokenizer: {}", e.message())),
         })?;
@@ -202,6 +209,7 @@ impl Router {
     /// running + queued (which includes other routers' requests); ties go to
     /// the one with more free KV blocks, then rotate.
     async fn pick(&self, peers: &Peers, tried: &[String]) -> Result<(Instance, Channel, Busy), Status> {
+        let span = tracing::Span::current();
         let list = peers.wait_any(PEER_WAIT).await.ok_or_else(|| Status::unavailable(format!("no live {} worker", peers.service())))?;
         let polled = self.polled.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
@@ -217,7 +225,16 @@ impl Router {
             })
             .cloned()
             .ok_or_else(|| Status::unavailable(format!("every {} worker refused or failed", peers.service())))?;
-        *load.entry(best.grpc_addr.clone()).or_default() += 1;
+        let local = load.entry(best.grpc_addr.clone()).or_default();
+        let p = polled.get(&best.grpc_addr).copied().unwrap_or_default();
+        let kind = peers.service();
+        span.set_attribute(format!("{kind}.instance"), best.id.clone());
+        span.set_attribute(format!("{kind}.address"), best.grpc_addr.clone());
+        span.set_attribute(format!("{kind}.in_flight_here"), *local as i64);
+        span.set_attribute(format!("{kind}.busy_polled"), p.busy as i64);
+        span.set_attribute(format!("{kind}.kv_free_polled"), p.kv_free as i64);
+        span.set_attribute(format!("{kind}.candidates"), n as i64);
+        *local += 1;
         drop(load);
         let ch = peers.channel(&best).map_err(Status::internal)?;
         let busy = Busy { load: self.load.clone(), addr: best.grpc_addr.clone() };
@@ -239,8 +256,17 @@ impl Router {
     /// ticket id in use when it fails (so the caller cancels it).
     async fn run(&self, job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
         let started = Instant::now();
-        let info = self.model_info().await?.clone();
-        let prompt = self.encode(job.input).await?;
+        let tokenize = tracing::info_span!("tokenize", prompt_tokens = tracing::field::Empty);
+        let prompt = async {
+            let info = self.model_info().await?.clone();
+            let prompt = self.encode(job.input).await?;
+            tracing::Span::current().record("prompt_tokens", prompt.len() as i64);
+            Ok::<_, Status>((info, prompt))
+        }
+        .instrument(tokenize.clone())
+        .await;
+        drop(tokenize);
+        let (info, prompt) = prompt?;
         if prompt.is_empty() {
             return Err(Status::invalid_argument("the prompt encodes to no tokens"));
         }
@@ -262,19 +288,37 @@ impl Router {
             // request ids, and the broker remembers ended tickets for a while.
             let ticket_id = format!("{}#{:x}.{}.{attempt}", job.request_id, std::process::id(), self.next_ticket.fetch_add(1, Ordering::Relaxed));
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
-            let (d, dch, dbusy) = self.pick(&self.decode, &tried_d).await?;
-            let (p, pch, pbusy) = match self.pick(&self.prefill, &tried_p).await {
-                Ok(x) => x,
-                Err(e) if !tried_p.is_empty() => {
-                    // Every prefill was tried once: allow them again.
-                    tried_p.clear();
-                    let _ = e;
-                    self.pick(&self.prefill, &tried_p).await?
-                }
-                Err(e) => return Err(e),
-            };
+            let route = tracing::info_span!("route", policy = "least_busy", attempt);
+            let picked = async {
+                let (d, dch, dbusy) = self.pick(&self.decode, &tried_d).await?;
+                let (p, pch, pbusy) = match self.pick(&self.prefill, &tried_p).await {
+                    Ok(x) => x,
+                    Err(e) if !tried_p.is_empty() => {
+                        // Every prefill was tried once: allow them again.
+                        tried_p.clear();
+                        let _ = e;
+                        self.pick(&self.prefill, &tried_p).await?
+                    }
+                    Err(e) => return Err(e),
+                };
+                Ok::<_, Status>((d, dch, dbusy, p, pch, pbusy))
+            }
+            .instrument(route.clone())
+            .await;
+            if let Err(e) = &picked {
+                telemetry::mark_error(&route, e.message());
+            }
+            drop(route);
+            let (d, dch, dbusy, p, pch, pbusy) = picked?;
             let preq = ppb::PrefillRequest { request_id: ticket_id.clone(), prompt_ids: prompt.clone(), sampling: Some(job.sampling.clone()) };
-            let prefill_task = AbortOnDrop(tokio::spawn(async move { ppb::prefill_client::PrefillClient::new(pch).prefill(preq).await }));
+            let (preq, pspan) = telemetry::client_request("pdmesh.prefill.v1.Prefill/Prefill", preq);
+            let prefill_task = AbortOnDrop(tokio::spawn(
+                async move {
+                    let r = ppb::prefill_client::PrefillClient::new(pch).prefill(preq).await;
+                    telemetry::finish(&tracing::Span::current(), r)
+                }
+                .instrument(pspan),
+            ));
             let dreq = dpb::GenerateRequest {
                 request_id: ticket_id.clone(),
                 prompt_ids: prompt.clone(),
@@ -283,6 +327,8 @@ impl Router {
                 stop_ids: vec![],
                 ignore_eos: job.ignore_eos,
             };
+            // The decode client span lasts as long as the token stream.
+            let (dreq, dspan) = telemetry::client_request("pdmesh.decode.v1.Decode/Generate", dreq);
             let opened = async {
                 let mut s = dpb::decode_client::DecodeClient::new(dch).generate(dreq).await?.into_inner();
                 match s.message().await? {
@@ -290,10 +336,12 @@ impl Router {
                     _ => Err(Status::internal("decode worker did not admit the request")),
                 }
             }
+            .instrument(dspan.clone())
             .await;
             match opened {
-                Ok(s) => break (s, prefill_task, (dbusy, pbusy)),
+                Ok(s) => break (s, prefill_task, (dbusy, pbusy, dspan, [p.id.clone(), d.id.clone()])),
                 Err(e) => {
+                    telemetry::record_status(&dspan, Some(&e));
                     drop(prefill_task);
                     self.cancel_ticket(&ticket_id, "decode refused the request").await;
                     let retryable = matches!(e.code(), tonic::Code::ResourceExhausted | tonic::Code::Unavailable);
@@ -312,7 +360,7 @@ impl Router {
         };
         // Stream: decode tokens -> detokenize -> stop strings -> client.
         let mut prefill_task = Some(prefill_task);
-        let mut detok: Option<(mpsc::Sender<tpb::DetokenizeRequest>, tonic::Streaming<tpb::DetokenizeResponse>)> = None;
+        let mut detok: Option<Detok> = None;
         let mut stops = StopMatcher::new(job.stop);
         let mut n_out = 0u32;
         let mut last_token: Option<Instant> = None;
@@ -330,14 +378,23 @@ impl Router {
             };
             let ev = match msg {
                 Ok(Some(m)) => m.event,
-                Ok(None) => return Err(Status::unavailable("decode worker ended the stream without finishing")),
-                Err(e) => return Err(decode_failure(e)),
+                Ok(None) => {
+                    telemetry::mark_error(&_busy.2, "stream ended without finishing");
+                    return Err(Status::unavailable("decode worker ended the stream without finishing"));
+                }
+                Err(e) => {
+                    telemetry::record_status(&_busy.2, Some(&e));
+                    return Err(decode_failure(e));
+                }
             };
             match ev {
                 Some(dpb::generate_response::Event::Tokens(t)) => {
                     let now = Instant::now();
                     match last_token {
-                        None => self.metrics.ttft.observe((now - started).as_secs_f64()),
+                        None => {
+                            self.metrics.ttft.observe((now - started).as_secs_f64());
+                            tracing::Span::current().set_attribute("pdmesh.ttft_ms", (now - started).as_secs_f64() * 1e3);
+                        }
                         Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64() / t.ids.len().max(1) as f64),
                     }
                     last_token = Some(now);
@@ -348,16 +405,21 @@ impl Router {
                         return Err(Status::cancelled("client went away"));
                     }
                     if step.stopped {
-                        return self.finish(tx, common::FinishReason::Stop, n_prompt, n_out).await;
+                        return self.finish(tx, common::FinishReason::Stop, n_prompt, n_out, &_busy.3).await;
                     }
                 }
                 Some(dpb::generate_response::Event::Finished(f)) => {
+                    telemetry::record_status(&_busy.2, None);
                     let mut rest = String::new();
-                    if let Some((s, mut r)) = detok.take() {
-                        drop(s);
-                        while let Ok(Some(m)) = r.message().await {
+                    if let Some(mut d) = detok.take() {
+                        drop(d.tx);
+                        let t = Instant::now();
+                        while let Ok(Some(m)) = d.rx.message().instrument(d.rpc.clone()).await {
                             rest.push_str(&m.text);
                         }
+                        d.busy += t.elapsed();
+                        d.span.set_attribute("detokenize.busy_ms", d.busy.as_secs_f64() * 1e3);
+                        d.span.set_attribute("detokenize.calls", d.calls as i64);
                     }
                     let step = stops.push(&rest);
                     let mut tail = step.emit;
@@ -369,37 +431,48 @@ impl Router {
                     }
                     let reason = if step.stopped { common::FinishReason::Stop } else { common::FinishReason::try_from(f.reason).unwrap_or(common::FinishReason::Stop) };
                     let _ = f.usage;
-                    return self.finish(tx, reason, n_prompt, n_out).await;
+                    return self.finish(tx, reason, n_prompt, n_out, &_busy.3).await;
                 }
                 Some(dpb::generate_response::Event::Admitted(_)) | None => {}
             }
         }
     }
 
-    async fn detokenize(
-        &self,
-        detok: &mut Option<(mpsc::Sender<tpb::DetokenizeRequest>, tonic::Streaming<tpb::DetokenizeResponse>)>,
-        ids: Vec<u32>,
-    ) -> Result<String, Status> {
+    async fn detokenize(&self, detok: &mut Option<Detok>, ids: Vec<u32>) -> Result<String, Status> {
         if detok.is_none() {
+            let span = tracing::info_span!("detokenize");
             let (s, r) = mpsc::channel(16);
             let mut c = self.tokenizer_client()?;
-            let resp = c.detokenize(tokio_stream::wrappers::ReceiverStream::new(r)).await.map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
-            *detok = Some((s, resp.into_inner()));
+            let (req, rpc) = {
+                let _g = span.enter();
+                telemetry::client_request("pdmesh.tokenizer.v1.Tokenizer/Detokenize", tokio_stream::wrappers::ReceiverStream::new(r))
+            };
+            let resp = c.detokenize(req).instrument(rpc.clone()).await;
+            let resp = telemetry::finish(&rpc, resp).map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
+            *detok = Some(Detok { tx: s, rx: resp.into_inner(), span, rpc, busy: Duration::ZERO, calls: 0 });
         }
-        let (s, r) = detok.as_mut().expect("just set");
-        s.send(tpb::DetokenizeRequest { ids, render_special: false }).await.map_err(|_| Status::unavailable("tokenizer stream closed"))?;
-        match r.message().await {
+        let d = detok.as_mut().expect("just set");
+        let t = Instant::now();
+        d.calls += 1;
+        d.tx.send(tpb::DetokenizeRequest { ids, render_special: false }).await.map_err(|_| Status::unavailable("tokenizer stream closed"))?;
+        let r = match d.rx.message().await {
             Ok(Some(m)) => Ok(m.text),
             Ok(None) => Err(Status::unavailable("tokenizer ended the detokenize stream")),
             Err(e) => Err(Status::unavailable(format!("tokenizer: {}", e.message()))),
-        }
+        };
+        d.busy += t.elapsed();
+        r
     }
 
-    async fn finish(&self, tx: &Tx, reason: common::FinishReason, prompt: u32, completion: u32) -> Result<(), Status> {
+    async fn finish(&self, tx: &Tx, reason: common::FinishReason, prompt: u32, completion: u32, workers: &[String; 2]) -> Result<(), Status> {
         self.metrics.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
         self.metrics.completion_tokens.fetch_add(completion as u64, Ordering::Relaxed);
-        let fin = pb::Finished { reason: reason as i32, usage: Some(common::Usage { prompt_tokens: prompt, completion_tokens: completion }) };
+        let fin = pb::Finished {
+            reason: reason as i32,
+            usage: Some(common::Usage { prompt_tokens: prompt, completion_tokens: completion }),
+            prefill_worker: workers[0].clone(),
+            decode_worker: workers[1].clone(),
+        };
         tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(fin)) }))
             .await
             .map_err(|_| Status::cancelled("client went away"))
@@ -421,6 +494,17 @@ fn decode_failure(e: Status) -> Status {
     }
 }
 
+/// The open Detokenize stream of one request, with its spans: `detokenize`
+/// lasts from the first token to the end of the stream.
+struct Detok {
+    tx: mpsc::Sender<tpb::DetokenizeRequest>,
+    rx: tonic::Streaming<tpb::DetokenizeResponse>,
+    span: tracing::Span,
+    rpc: tracing::Span,
+    busy: Duration,
+    calls: u32,
+}
+
 pub struct Service(pub Arc<Router>);
 
 #[tonic::async_trait]
@@ -429,14 +513,19 @@ impl pb::router_server::Router for Service {
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<DeltaStream>, Status> {
         let router = self.0.clone();
+        let span = telemetry::server_span("pdmesh.router.v1.Router/Generate", &req);
         let deadline = pdmesh_core::grpc::request_timeout(&req).map(|t| t.min(router.timeout)).unwrap_or(router.timeout);
         let job = match router.validate(req.into_inner()) {
             Ok(j) => j,
             Err(e) => {
                 router.metrics.outcomes.inc(outcome_of(e.code()));
+                telemetry::record_status(&span, Some(&e));
                 return Err(e);
             }
         };
+        span.set_attribute("pdmesh.request_id", job.request_id.clone());
+        span.set_attribute("pdmesh.max_tokens", job.max_tokens as i64);
+        let trace_id = telemetry::trace_id(&span);
         let (tx, rx) = mpsc::channel(64);
         router.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
@@ -459,7 +548,16 @@ impl pb::router_server::Router for Service {
             router.metrics.e2e.observe(t0.elapsed().as_secs_f64());
             router.metrics.outcomes.inc(outcome_of(code));
             router.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
-        });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+            let span = tracing::Span::current();
+            span.record("rpc.grpc.status_code", code as i64);
+            if code != tonic::Code::Ok {
+                telemetry::mark_error(&span, &format!("{code:?}"));
+            }
+        }.instrument(span));
+        let mut resp = Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as DeltaStream);
+        if let Some(id) = trace_id.and_then(|t| t.parse().ok()) {
+            resp.metadata_mut().insert("x-pdmesh-trace-id", id);
+        }
+        Ok(resp)
     }
 }

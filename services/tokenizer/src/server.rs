@@ -7,6 +7,9 @@ use pdmesh_engine::{ChatMessage, IncrementalDecoder, Tokenizer};
 use pdmesh_proto::tokenizer::v1 as pb;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::error::Error;
 use crate::metrics::{self, outcome_of, Metrics, Outcome};
@@ -32,7 +35,12 @@ type TextStream = Pin<Box<dyn Stream<Item = Result<pb::DetokenizeResponse, Statu
 #[tonic::async_trait]
 impl pb::tokenizer_server::Tokenizer for Service {
     async fn encode(&self, req: Request<pb::EncodeRequest>) -> Result<Response<pb::EncodeResponse>, Status> {
-        let r = self.encode_inner(req.into_inner()).await;
+        let span = telemetry::server_span("pdmesh.tokenizer.v1.Tokenizer/Encode", &req);
+        let r = self.encode_inner(req.into_inner()).instrument(span.clone()).await;
+        if let Ok(r) = &r {
+            span.set_attribute("tokens", r.ids.len() as i64);
+        }
+        let r = telemetry::finish(&span, r);
         self.metrics.record(metrics::ENCODE, r.as_ref().map_or_else(outcome_of, |_| Outcome::Ok));
         r.map(Response::new)
     }
@@ -40,18 +48,29 @@ impl pb::tokenizer_server::Tokenizer for Service {
     type DetokenizeStream = TextStream;
 
     async fn detokenize(&self, req: Request<Streaming<pb::DetokenizeRequest>>) -> Result<Response<TextStream>, Status> {
+        // The span lasts as long as the stream.
+        let span = telemetry::server_span("pdmesh.tokenizer.v1.Tokenizer/Detokenize", &req);
         let mut input = req.into_inner();
         let tok = self.tok.clone();
         let vocab = tok.vocab_size() as u32;
         let metrics = self.metrics.clone();
-        let out = async_stream(move |tx| async move {
-            let outcome = detokenize_loop(&tok, vocab, &mut input, &tx).await;
-            metrics.record(metrics::DETOKENIZE, outcome);
+        let out = async_stream(move |tx| {
+            async move {
+                let outcome = detokenize_loop(&tok, vocab, &mut input, &tx).await;
+                metrics.record(metrics::DETOKENIZE, outcome);
+                let span = tracing::Span::current();
+                span.set_attribute("outcome", format!("{outcome:?}"));
+                if !matches!(outcome, Outcome::Ok) {
+                    telemetry::mark_error(&span, &format!("{outcome:?}"));
+                }
+            }
+            .instrument(span)
         });
         Ok(Response::new(out))
     }
 
-    async fn info(&self, _req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+    async fn info(&self, req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        let _span = telemetry::server_span("pdmesh.tokenizer.v1.Tokenizer/Info", &req);
         self.metrics.record(metrics::INFO, Outcome::Ok);
         Ok(Response::new(self.info.clone()))
     }

@@ -48,6 +48,69 @@ pub struct EngineArgs {
     /// Most prompt tokens of one sequence per prefill step (chunked prefill).
     #[arg(long, env = "PDMESH_PREFILL_CHUNK", default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// Which engine steps carry one span per kernel launch (when tracing is
+    /// on): `off`, `all`, or N = the first N steps of each request (its
+    /// prefill is step 1).
+    #[arg(long, env = "PDMESH_TRACE_KERNEL_STEPS", default_value = "off")]
+    pub trace_kernel_steps: KernelSpans,
+}
+
+/// The kernel-span knob (`--trace-kernel-steps`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum KernelSpans {
+    Off,
+    /// The first N steps of each request.
+    First(u32),
+    All,
+}
+
+impl std::str::FromStr for KernelSpans {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" | "0" => Ok(KernelSpans::Off),
+            "all" => Ok(KernelSpans::All),
+            n => n.parse().map(KernelSpans::First).map_err(|_| format!("expected off, all or a number of steps, got {n:?}")),
+        }
+    }
+}
+
+impl KernelSpans {
+    /// Whether a step in which some request runs its `step`-th step (1 =
+    /// its prefill) carries kernel spans.
+    pub fn covers(self, step: u32) -> bool {
+        match self {
+            KernelSpans::Off => false,
+            KernelSpans::All => true,
+            KernelSpans::First(n) => step <= n,
+        }
+    }
+}
+
+/// One span per engine step, child of the first request's span in the
+/// batch and linked to every request's span (`requests`), so each request's
+/// trace shows the steps it rode in and a step shows whom it served.
+pub fn step_span<'a>(name: &'static str, requests: impl Iterator<Item = &'a tracing::Span>, batch: usize) -> tracing::Span {
+    use pdmesh_core::telemetry::SpanExt;
+    if !pdmesh_core::telemetry::enabled() {
+        return tracing::Span::none();
+    }
+    let mut parent = None;
+    let mut links = Vec::new();
+    for r in requests {
+        if parent.is_none() {
+            parent = Some(r.clone());
+        }
+        if let Some(cx) = pdmesh_core::telemetry::span_context(r) {
+            links.push(cx);
+        }
+    }
+    let Some(parent) = parent else { return tracing::Span::none() };
+    let span = tracing::info_span!(parent: &parent, "step", otel.name = name, batch_size = batch as i64);
+    for cx in links {
+        span.add_link(cx);
+    }
+    span
 }
 
 impl EngineArgs {

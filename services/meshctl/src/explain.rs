@@ -1,0 +1,232 @@
+//! `meshctl explain`: where one request's time went, from its trace.
+//!
+//! The request's life is cut at milestones its spans mark, in causal order;
+//! each stretch between two milestones is charged to the one cause the
+//! request was waiting on then:
+//!
+//! | stretch | cause |
+//! |---|---|
+//! | gateway span start → router span start | gateway/proxy |
+//! | → `tokenize` start, and `tokenize` end → prefill `queued` start | router |
+//! | `tokenize` | tokenize |
+//! | `queued` | queue wait (behind N running, M queued) |
+//! | → `prefill_forward` end | prefill compute |
+//! | → decode `admit` end (only if admission ended later) | decode admission |
+//! | → `decode_loop` start | KV transfer (claim, write, ticket done) |
+//! | `decode_loop` | decode steps (count, batch sizes) |
+//! | → router span end | detokenize (the tail after the last token) |
+//! | → start of the client's final backlog | gateway/proxy |
+//! | final backlog → gateway span end | client write |
+//!
+//! The client's final backlog is the last unbroken stretch during which
+//! response data was ready at the gateway but not yet taken by the client
+//! (`gateway.client_tail_ms`). The stretches add up to the whole request.
+
+use serde_json::{json, Value};
+
+use crate::trace::Span;
+
+pub const CAUSES: &[&str] = &[
+    "gateway/proxy",
+    "router",
+    "tokenize",
+    "queue wait",
+    "prefill compute",
+    "decode admission",
+    "KV transfer",
+    "decode steps",
+    "detokenize",
+    "client write",
+];
+
+#[derive(Debug, Clone)]
+pub struct Part {
+    pub cause: &'static str,
+    pub ms: f64,
+    pub share: f64,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct Explanation {
+    pub trace_id: String,
+    pub total_ms: f64,
+    pub parts: Vec<Part>,
+    pub dominant: &'static str,
+    pub sentence: String,
+    pub services: Vec<String>,
+    pub spans: usize,
+}
+
+fn find<'a>(spans: &'a [Span], pred: impl Fn(&Span) -> bool) -> Option<&'a Span> {
+    // The last one started: with retries, the attempt that went through.
+    spans.iter().filter(|s| pred(s)).max_by_key(|s| s.start_ns)
+}
+
+fn is_rpc(s: &Span, method: &str, kind: &str) -> bool {
+    s.name == method && s.kind == kind
+}
+
+fn child_of<'a>(spans: &'a [Span], parent: Option<&Span>, name: &str) -> Option<&'a Span> {
+    let p = parent?;
+    find(spans, |s| s.name == name && s.parent_id == p.span_id)
+}
+
+fn int(s: Option<&Span>, key: &str) -> Option<i64> {
+    s.and_then(|s| s.attr_f64(key)).map(|v| v as i64)
+}
+
+fn instance(s: Option<&Span>) -> String {
+    s.and_then(|s| s.attr_str("service.instance.id")).unwrap_or("?").to_string()
+}
+
+/// Attribute a trace's time to causes.
+pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
+    if spans.is_empty() {
+        return Err("the trace has no spans".into());
+    }
+    let trace_id = spans[0].trace_id.clone();
+    let gateway = find(spans, |s| s.service == "pdmesh-gateway" && s.kind == "server");
+    let router = find(spans, |s| is_rpc(s, "pdmesh.router.v1.Router/Generate", "server"));
+    let outer = gateway.or(router).ok_or("the trace has neither a gateway request span nor a router Generate span")?;
+    let tokenize = child_of(spans, router, "tokenize");
+    let prefill = find(spans, |s| is_rpc(s, "pdmesh.prefill.v1.Prefill/Prefill", "server"));
+    let queued = child_of(spans, prefill, "queued");
+    let forward = child_of(spans, prefill, "prefill_forward");
+    let xfer = child_of(spans, prefill, "kv_transfer");
+    let decode_loop = find(spans, |s| s.name == "decode_loop");
+    let decode = decode_loop.and_then(|l| spans.iter().find(|s| s.span_id == l.parent_id)).or_else(|| find(spans, |s| is_rpc(s, "pdmesh.decode.v1.Decode/Generate", "server")));
+    let admit = child_of(spans, decode, "admit");
+    let detok = child_of(spans, router, "detokenize");
+
+    let (t0, t_end) = (outer.start_ns, outer.end_ns);
+    let tail_ns = gateway.and_then(|g| g.attr_f64("gateway.client_tail_ms")).map_or(0, |ms| (ms * 1e6) as u64);
+    let limit = t_end.saturating_sub(tail_ns).max(t0);
+    let mut acc: Vec<(&'static str, u64)> = CAUSES.iter().map(|c| (*c, 0u64)).collect();
+    let mut cursor = t0;
+    let mut charge = |cause: &'static str, until: Option<u64>, cap: u64| {
+        if let Some(u) = until {
+            let u = u.min(cap);
+            if u > cursor {
+                if let Some(a) = acc.iter_mut().find(|(c, _)| *c == cause) {
+                    a.1 += u - cursor;
+                }
+                cursor = u;
+            }
+        }
+    };
+    if gateway.is_some() {
+        charge("gateway/proxy", router.map(|r| r.start_ns), limit);
+    }
+    charge("router", tokenize.map(|s| s.start_ns), limit);
+    charge("tokenize", tokenize.map(|s| s.end_ns), limit);
+    charge("router", queued.or(prefill).map(|s| s.start_ns), limit);
+    charge("queue wait", queued.map(|s| s.end_ns), limit);
+    charge("prefill compute", forward.map(|s| s.end_ns), limit);
+    charge("decode admission", admit.map(|s| s.end_ns), limit);
+    charge("KV transfer", decode_loop.map(|s| s.start_ns), limit);
+    charge("decode steps", decode_loop.map(|s| s.end_ns), limit);
+    charge("detokenize", router.filter(|_| gateway.is_some()).map(|s| s.end_ns), limit);
+    charge(if gateway.is_some() { "gateway/proxy" } else { "router" }, Some(limit), limit);
+    charge("client write", Some(t_end), t_end);
+
+    let total = t_end.saturating_sub(t0).max(1);
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let detail = |cause: &str| -> String {
+        match cause {
+            "gateway/proxy" => format!("gateway {}", instance(gateway)),
+            "router" => {
+                let route = find(spans, |s| s.name == "route");
+                let pick = route
+                    .map(|r| format!("picked {} and {}", r.attr_str("prefill.instance").unwrap_or("?"), r.attr_str("decode.instance").unwrap_or("?")))
+                    .unwrap_or_default();
+                format!("router {}; {pick}", instance(router))
+            }
+            "tokenize" => format!("{} prompt tokens", int(tokenize, "prompt_tokens").unwrap_or(0)),
+            "queue wait" => format!(
+                "behind {} running and {} queued on {}{}",
+                int(queued, "prefill.running").unwrap_or(0),
+                int(queued, "prefill.queue_depth").unwrap_or(0),
+                instance(prefill),
+                int(queued, "queue.held_ms").map(|h| format!(" (queue held {h} ms by a fault switch)")).unwrap_or_default()
+            ),
+            "prefill compute" => format!(
+                "{} prompt tokens in a batch of {} ({} tokens)",
+                int(forward, "prompt_tokens").unwrap_or(0),
+                int(forward, "batch_size").unwrap_or(0),
+                int(forward, "batch_tokens").unwrap_or(0)
+            ),
+            "decode admission" => format!(
+                "{} running, {} awaiting KV on {}",
+                int(admit, "decode.running").unwrap_or(0),
+                int(admit, "decode.awaiting_kv").unwrap_or(0),
+                instance(decode)
+            ),
+            "KV transfer" => format!(
+                "{} bytes over {} (write {:.1} ms){}",
+                int(xfer, "kv.bytes").unwrap_or(0),
+                xfer.and_then(|x| x.attr_str("kv.transport")).unwrap_or("?"),
+                xfer.and_then(|x| x.attr_f64("kv.write_ms")).unwrap_or(0.0),
+                int(xfer, "fault.stall_ms").map(|s| format!(", stalled {s} ms by a fault switch")).unwrap_or_default()
+            ),
+            "decode steps" => format!(
+                "{} steps, batch mean {:.1} max {}, {} already running on {} when it joined",
+                int(decode_loop, "decode.steps").unwrap_or(0),
+                decode_loop.and_then(|l| l.attr_f64("decode.batch_mean")).unwrap_or(0.0),
+                int(decode_loop, "decode.batch_max").unwrap_or(0),
+                int(decode_loop, "decode.running_on_join").unwrap_or(0),
+                instance(decode)
+            ),
+            "detokenize" => format!(
+                "{} calls, {:.1} ms busy in all",
+                int(detok, "detokenize.calls").unwrap_or(0),
+                detok.and_then(|d| d.attr_f64("detokenize.busy_ms")).unwrap_or(0.0)
+            ),
+            "client write" => format!(
+                "response data waited {:.0} ms in all for the client to read it ({} chunks)",
+                gateway.and_then(|g| g.attr_f64("gateway.client_wait_ms")).unwrap_or(0.0),
+                int(gateway, "gateway.chunks").unwrap_or(0)
+            ),
+            _ => String::new(),
+        }
+    };
+    let parts: Vec<Part> = acc
+        .iter()
+        .map(|(c, ns)| Part { cause: c, ms: ms(*ns), share: *ns as f64 / total as f64, detail: if *ns > 0 { detail(c) } else { String::new() } })
+        .collect();
+    let top = parts.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)).expect("causes are not empty");
+    let sentence = format!("{} took {:.0}% of the request ({:.0} of {:.0} ms): {}.", capitalise(top.cause), top.share * 100.0, top.ms, ms(total), top.detail);
+    let mut services: Vec<String> = spans.iter().map(|s| s.service.clone()).collect();
+    services.sort();
+    services.dedup();
+    Ok(Explanation { trace_id, total_ms: ms(total), dominant: top.cause, sentence, parts, services, spans: spans.len() })
+}
+
+fn capitalise(s: &str) -> String {
+    let mut c = s.chars();
+    c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
+}
+
+impl Explanation {
+    pub fn to_json(&self) -> Value {
+        json!({
+            "trace_id": self.trace_id,
+            "total_ms": self.total_ms,
+            "dominant": self.dominant,
+            "sentence": self.sentence,
+            "services": self.services,
+            "spans": self.spans,
+            "parts": self.parts.iter().map(|p| json!({ "cause": p.cause, "ms": p.ms, "share": p.share, "detail": p.detail })).collect::<Vec<_>>(),
+        })
+    }
+
+    pub fn table(&self) -> String {
+        let mut out = format!("trace {}: {:.1} ms, {} spans from {}\n\n", self.trace_id, self.total_ms, self.spans, self.services.join(", "));
+        out += &format!("{:<18} {:>10} {:>7}  {}\n", "where", "ms", "share", "detail");
+        for p in &self.parts {
+            out += &format!("{:<18} {:>10.1} {:>6.1}%  {}\n", p.cause, p.ms, p.share * 100.0, p.detail);
+        }
+        out += &format!("\n{}\n", self.sentence);
+        out
+    }
+}

@@ -1,0 +1,340 @@
+//! Finished spans as `meshctl explain` reads them, from three sources: an
+//! OTLP/gRPC export (the receiver in [`crate::sink`]), an OTLP/JSON file (one
+//! `ExportTraceServiceRequest` per line, as the OpenTelemetry Collector's
+//! file exporter and `meshctl collect` write), and Jaeger's query API
+//! (`/api/traces/<id>`).
+
+use std::collections::BTreeMap;
+
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, KeyValue};
+use serde_json::{json, Value};
+
+/// One finished span.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Span {
+    pub trace_id: String,
+    pub span_id: String,
+    /// Empty for a root span.
+    pub parent_id: String,
+    pub name: String,
+    /// `pdmesh-<service>` (from the resource, else the span's own attribute).
+    pub service: String,
+    /// `server`, `client`, `internal`, `producer`, `consumer` or `unspecified`.
+    pub kind: String,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub attrs: BTreeMap<String, Value>,
+    /// (trace id, span id) of each linked span.
+    pub links: Vec<(String, String)>,
+    pub error: bool,
+}
+
+impl Span {
+    pub fn duration_ns(&self) -> u64 {
+        self.end_ns.saturating_sub(self.start_ns)
+    }
+
+    pub fn attr_f64(&self, key: &str) -> Option<f64> {
+        match self.attrs.get(key)? {
+            Value::Number(n) => n.as_f64(),
+            Value::String(s) => s.parse().ok(),
+            _ => None,
+        }
+    }
+
+    pub fn attr_str(&self, key: &str) -> Option<&str> {
+        self.attrs.get(key).and_then(|v| v.as_str())
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn any_to_json(v: &AnyValue) -> Value {
+    match &v.value {
+        Some(any_value::Value::StringValue(s)) => json!(s),
+        Some(any_value::Value::BoolValue(b)) => json!(b),
+        Some(any_value::Value::IntValue(i)) => json!(i),
+        Some(any_value::Value::DoubleValue(d)) => json!(d),
+        Some(any_value::Value::ArrayValue(a)) => Value::Array(a.values.iter().map(any_to_json).collect()),
+        _ => Value::Null,
+    }
+}
+
+fn attrs_map(kvs: &[KeyValue]) -> BTreeMap<String, Value> {
+    kvs.iter().map(|kv| (kv.key.clone(), kv.value.as_ref().map(any_to_json).unwrap_or(Value::Null))).collect()
+}
+
+fn kind_name(k: i32) -> &'static str {
+    match k {
+        1 => "internal",
+        2 => "server",
+        3 => "client",
+        4 => "producer",
+        5 => "consumer",
+        _ => "unspecified",
+    }
+}
+
+/// Flatten an OTLP export into spans.
+pub fn from_otlp(req: &ExportTraceServiceRequest) -> Vec<Span> {
+    let mut out = Vec::new();
+    for rs in &req.resource_spans {
+        let res = rs.resource.as_ref().map(|r| attrs_map(&r.attributes)).unwrap_or_default();
+        let res_service = res.get("service.name").and_then(|v| v.as_str()).map(str::to_string);
+        for ss in &rs.scope_spans {
+            for s in &ss.spans {
+                let attrs = attrs_map(&s.attributes);
+                let service = res_service.clone().or_else(|| attrs.get("service.name").and_then(|v| v.as_str()).map(str::to_string)).unwrap_or_default();
+                out.push(Span {
+                    trace_id: hex(&s.trace_id),
+                    span_id: hex(&s.span_id),
+                    parent_id: hex(&s.parent_span_id),
+                    name: s.name.clone(),
+                    service,
+                    kind: kind_name(s.kind).into(),
+                    start_ns: s.start_time_unix_nano,
+                    end_ns: s.end_time_unix_nano,
+                    attrs,
+                    links: s.links.iter().map(|l| (hex(&l.trace_id), hex(&l.span_id))).collect(),
+                    error: s.status.as_ref().is_some_and(|st| st.code == 2),
+                });
+            }
+        }
+    }
+    out
+}
+
+fn json_attr(k: &str, v: &Value) -> Value {
+    let value = match v {
+        Value::Bool(b) => json!({ "boolValue": b }),
+        Value::Number(n) if n.is_i64() => json!({ "intValue": n.to_string() }),
+        Value::Number(n) => json!({ "doubleValue": n.as_f64() }),
+        Value::String(s) => json!({ "stringValue": s }),
+        other => json!({ "stringValue": other.to_string() }),
+    };
+    json!({ "key": k, "value": value })
+}
+
+fn kind_number(k: &str) -> i32 {
+    match k {
+        "internal" => 1,
+        "server" => 2,
+        "client" => 3,
+        "producer" => 4,
+        "consumer" => 5,
+        _ => 0,
+    }
+}
+
+/// One OTLP/JSON line (an `ExportTraceServiceRequest`) holding `spans`.
+pub fn to_otlp_json(spans: &[Span]) -> Value {
+    let mut by_service: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+    for s in spans {
+        let v = json!({
+            "traceId": s.trace_id,
+            "spanId": s.span_id,
+            "parentSpanId": s.parent_id,
+            "name": s.name,
+            "kind": kind_number(&s.kind),
+            "startTimeUnixNano": s.start_ns.to_string(),
+            "endTimeUnixNano": s.end_ns.to_string(),
+            "attributes": s.attrs.iter().map(|(k, v)| json_attr(k, v)).collect::<Vec<_>>(),
+            "links": s.links.iter().map(|(t, i)| json!({ "traceId": t, "spanId": i })).collect::<Vec<_>>(),
+            "status": { "code": if s.error { 2 } else { 0 } },
+        });
+        by_service.entry(&s.service).or_default().push(v);
+    }
+    json!({
+        "resourceSpans": by_service.into_iter().map(|(svc, spans)| json!({
+            "resource": { "attributes": [json_attr("service.name", &json!(svc))] },
+            "scopeSpans": [{ "scope": { "name": "pdmesh" }, "spans": spans }],
+        })).collect::<Vec<_>>()
+    })
+}
+
+fn json_value(v: &Value) -> Value {
+    // OTLP/JSON: {"stringValue": ..} | {"intValue": "12"} | {"doubleValue": ..} | {"boolValue": ..}
+    if let Some(s) = v.get("stringValue") {
+        return s.clone();
+    }
+    if let Some(i) = v.get("intValue") {
+        return match i {
+            Value::String(s) => s.parse::<i64>().map(Value::from).unwrap_or(Value::Null),
+            other => other.clone(),
+        };
+    }
+    if let Some(d) = v.get("doubleValue") {
+        return d.clone();
+    }
+    if let Some(b) = v.get("boolValue") {
+        return b.clone();
+    }
+    Value::Null
+}
+
+fn json_attrs(v: Option<&Value>) -> BTreeMap<String, Value> {
+    v.and_then(|a| a.as_array())
+        .map(|a| {
+            a.iter()
+                .filter_map(|kv| Some((kv.get("key")?.as_str()?.to_string(), kv.get("value").map(json_value).unwrap_or(Value::Null))))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn num(v: Option<&Value>) -> u64 {
+    match v {
+        Some(Value::String(s)) => s.parse().unwrap_or(0),
+        Some(Value::Number(n)) => n.as_u64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// Ids in OTLP/JSON are hex; some writers use base64 (the generic protobuf
+/// JSON mapping). Normalise to lowercase hex.
+fn json_id(v: Option<&Value>, len: usize) -> String {
+    let s = v.and_then(|v| v.as_str()).unwrap_or_default();
+    if s.len() == 2 * len && s.chars().all(|c| c.is_ascii_hexdigit()) {
+        return s.to_ascii_lowercase();
+    }
+    if s.is_empty() {
+        return String::new();
+    }
+    base64_decode(s).map(|b| hex(&b)).unwrap_or_else(|| s.to_string())
+}
+
+fn base64_decode(s: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for c in s.bytes().filter(|c| *c != b'=') {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            _ => return None,
+        } as u32;
+        acc = (acc << 6) | v;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    Some(out)
+}
+
+/// Spans from one OTLP/JSON document (an `ExportTraceServiceRequest`).
+pub fn from_otlp_json(doc: &Value) -> Vec<Span> {
+    let mut out = Vec::new();
+    for rs in doc.get("resourceSpans").and_then(|v| v.as_array()).into_iter().flatten() {
+        let res = json_attrs(rs.get("resource").and_then(|r| r.get("attributes")));
+        let res_service = res.get("service.name").and_then(|v| v.as_str()).map(str::to_string);
+        for ss in rs.get("scopeSpans").and_then(|v| v.as_array()).into_iter().flatten() {
+            for s in ss.get("spans").and_then(|v| v.as_array()).into_iter().flatten() {
+                let attrs = json_attrs(s.get("attributes"));
+                let service = res_service.clone().or_else(|| attrs.get("service.name").and_then(|v| v.as_str()).map(str::to_string)).unwrap_or_default();
+                let kind = match s.get("kind") {
+                    Some(Value::Number(n)) => kind_name(n.as_i64().unwrap_or(0) as i32).to_string(),
+                    Some(Value::String(k)) => k.trim_start_matches("SPAN_KIND_").to_ascii_lowercase(),
+                    _ => "unspecified".into(),
+                };
+                out.push(Span {
+                    trace_id: json_id(s.get("traceId"), 16),
+                    span_id: json_id(s.get("spanId"), 8),
+                    parent_id: json_id(s.get("parentSpanId"), 8),
+                    name: s.get("name").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+                    service,
+                    kind,
+                    start_ns: num(s.get("startTimeUnixNano")),
+                    end_ns: num(s.get("endTimeUnixNano")),
+                    attrs,
+                    links: s
+                        .get("links")
+                        .and_then(|v| v.as_array())
+                        .into_iter()
+                        .flatten()
+                        .map(|l| (json_id(l.get("traceId"), 16), json_id(l.get("spanId"), 8)))
+                        .collect(),
+                    error: s.get("status").and_then(|st| st.get("code")).is_some_and(|c| c == 2 || c == "STATUS_CODE_ERROR"),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Every span of `trace_id` in an OTLP/JSON-lines file.
+pub fn read_otlp_file(path: &std::path::Path, trace_id: &str) -> Result<Vec<Span>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let want = trace_id.to_ascii_lowercase();
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let doc: Value = serde_json::from_str(line).map_err(|e| format!("{} line {}: not JSON: {e}", path.display(), i + 1))?;
+        out.extend(from_otlp_json(&doc).into_iter().filter(|s| s.trace_id == want));
+    }
+    Ok(out)
+}
+
+/// Spans of the first trace in a Jaeger `/api/traces/<id>` answer.
+pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
+    let trace = doc.get("data").and_then(|d| d.as_array()).and_then(|d| d.first()).ok_or("Jaeger returned no trace")?;
+    let processes = trace.get("processes").cloned().unwrap_or(Value::Null);
+    let mut out = Vec::new();
+    for s in trace.get("spans").and_then(|v| v.as_array()).into_iter().flatten() {
+        let mut attrs = BTreeMap::new();
+        for t in s.get("tags").and_then(|v| v.as_array()).into_iter().flatten() {
+            if let (Some(k), Some(v)) = (t.get("key").and_then(|k| k.as_str()), t.get("value")) {
+                attrs.insert(k.to_string(), v.clone());
+            }
+        }
+        let pid = s.get("processID").and_then(|v| v.as_str()).unwrap_or_default();
+        let service = processes.get(pid).and_then(|p| p.get("serviceName")).and_then(|v| v.as_str()).unwrap_or_default().to_string();
+        let refs: Vec<&Value> = s.get("references").and_then(|v| v.as_array()).map(|r| r.iter().collect()).unwrap_or_default();
+        let parent = refs
+            .iter()
+            .find(|r| r.get("refType").and_then(|t| t.as_str()) == Some("CHILD_OF"))
+            .and_then(|r| r.get("spanID"))
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string();
+        let links = refs
+            .iter()
+            .filter(|r| r.get("refType").and_then(|t| t.as_str()) == Some("FOLLOWS_FROM"))
+            .filter_map(|r| Some((r.get("traceID")?.as_str()?.to_string(), r.get("spanID")?.as_str()?.to_string())))
+            .collect();
+        let start_us = s.get("startTime").and_then(|v| v.as_u64()).unwrap_or(0);
+        let dur_us = s.get("duration").and_then(|v| v.as_u64()).unwrap_or(0);
+        let kind = attrs.get("span.kind").and_then(|v| v.as_str()).unwrap_or("internal").to_string();
+        let error = attrs.get("error").is_some_and(|v| v == true) || attrs.get("otel.status_code").is_some_and(|v| v == "ERROR");
+        out.push(Span {
+            trace_id: s.get("traceID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+            span_id: s.get("spanID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+            parent_id: parent,
+            name: s.get("operationName").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+            service,
+            kind,
+            start_ns: start_us * 1000,
+            end_ns: (start_us + dur_us) * 1000,
+            attrs,
+            links,
+            error,
+        });
+    }
+    Ok(out)
+}
+
+/// Parse a hex trace id given on the command line.
+pub fn parse_trace_id(s: &str) -> Result<String, String> {
+    let s = s.trim().to_ascii_lowercase();
+    if s.len() == 32 && s.chars().all(|c| c.is_ascii_hexdigit()) && s != "0".repeat(32) {
+        Ok(s)
+    } else {
+        Err(format!("a trace id is 32 hex digits, got {s:?}"))
+    }
+}
