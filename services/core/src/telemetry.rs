@@ -23,6 +23,7 @@ use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, 
 use opentelemetry_sdk::Resource;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::Layer as _;
 
 /// Tracing flags every service shares.
 #[derive(clap::Args, Debug, Clone, serde::Serialize)]
@@ -143,7 +144,15 @@ pub fn init(args: &TelemetryArgs, id: &Identity) -> Result<bool, TelemetryError>
         .with_span_processor(batch)
         .build();
     let tracer = provider.tracer(format!("pdmesh-{}", id.service));
-    let layer = tracing_opentelemetry::layer().with_tracer(tracer).with_level(false).with_target(false).with_location(false);
+    // Only pdmesh's own spans: the libraries underneath (h2, tower, tonic)
+    // have trace-level spans of their own that would drown the picture.
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_level(false)
+        .with_target(false)
+        .with_location(false)
+        .with_threads(false)
+        .with_filter(tracing_subscriber::filter::filter_fn(|m| m.target().starts_with("pdmesh")));
     let subscriber = tracing_subscriber::registry().with(layer);
     tracing::subscriber::set_global_default(subscriber).map_err(|_| TelemetryError::AlreadyInstalled)?;
     let _ = PROVIDER.set(provider);
@@ -294,3 +303,21 @@ pub fn finish<T>(span: &tracing::Span, r: Result<T, tonic::Status>) -> Result<T,
 /// Set attributes, links and parents on `tracing` spans (re-exported so
 /// services need not depend on `tracing-opentelemetry` themselves).
 pub use tracing_opentelemetry::OpenTelemetrySpanExt as SpanExt;
+
+/// A span that ends when this guard is dropped. `tracing-opentelemetry`
+/// takes a span's end time from its last exit, so a span that was entered
+/// (e.g. an instrumented call) and then kept open for a stream would end
+/// too early; this guard enters and leaves it once more when dropped.
+pub struct Held(pub tracing::Span);
+
+impl Held {
+    pub fn span(&self) -> &tracing::Span {
+        &self.0
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let _last = self.0.enter();
+    }
+}

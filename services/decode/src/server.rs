@@ -138,10 +138,11 @@ impl Service {
             let _g = await_kv.enter();
             telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/WatchTicket", kpb::WatchTicketRequest { request_id: r.request_id.clone() })
         };
-        let mut watch = match broker.watch_ticket(watch).instrument(wspan.clone()).await {
+        let (await_kv, wspan) = (telemetry::Held(await_kv), telemetry::Held(wspan));
+        let mut watch = match broker.watch_ticket(watch).instrument(wspan.span().clone()).await {
             Ok(w) => w.into_inner(),
             Err(e) => {
-                telemetry::record_status(&wspan, Some(&e));
+                telemetry::record_status(wspan.span(), Some(&e));
                 cancel(broker.clone(), &r.request_id, "decode could not watch the ticket");
                 return Err(Status::unavailable(format!("kvbroker: {}", e.message())));
             }
@@ -187,7 +188,7 @@ impl Service {
                 }
             };
             batcher.stats.outcomes.inc(outcome_of(end.code()));
-            telemetry::mark_error(&await_kv, end.message());
+            telemetry::mark_error(await_kv.span(), end.message());
             telemetry::record_status(&server, Some(&end));
             let _ = tx.send(Err(end));
             drop(res);

@@ -129,6 +129,8 @@ impl Drop for Tracked {
         self.span.record("gateway.client_wait_ms", self.wait.total.as_secs_f64() * 1e3);
         self.span.record("gateway.client_tail_ms", self.wait.tail(end).as_secs_f64() * 1e3);
         self.span.record("gateway.chunks", self.wait.chunks as i64);
+        // Its end is the last byte handed to the client (see telemetry::Held).
+        let _last = self.span.enter();
     }
 }
 
@@ -325,6 +327,8 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
     };
     // The client span lasts as long as the router's stream.
     let (mut req, rpc) = telemetry::client_request("pdmesh.router.v1.Router/Generate", parsed.request);
+    // Ends when the router's stream is done with (here, or in the SSE task).
+    let rpc_end = telemetry::Held(rpc.clone());
     req.set_timeout(deadline);
     let mut client = pb::router_client::RouterClient::new(ch);
     let call = async {
@@ -389,6 +393,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
     let (tx, rx) = tokio::sync::mpsc::channel::<(std::time::Instant, Bytes)>(1024);
     let tx = Timed(tx);
     tokio::spawn(async move {
+        let _rpc_end = rpc_end;
         let chunk = |delta: Value, fr: Value| -> Bytes {
             let v = if chat {
                 json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -423,7 +428,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
                 }
                 Some(pb::generate_response::Event::Finished(f)) => {
                     telemetry::record_status(&rpc, None);
-                    drop(rpc);
+                    drop(_rpc_end);
                     let _ = tx.send(chunk(json!({}), json!(finish_reason(&f)))).await;
                     if include_usage {
                         let u = json!({ "id": id, "object": if chat { "chat.completion.chunk" } else { "text_completion" }, "created": created, "model": model, "choices": [], "usage": usage_json(&f) });

@@ -339,7 +339,7 @@ impl Router {
             .instrument(dspan.clone())
             .await;
             match opened {
-                Ok(s) => break (s, prefill_task, (dbusy, pbusy, dspan, [p.id.clone(), d.id.clone()])),
+                Ok(s) => break (s, prefill_task, (dbusy, pbusy, telemetry::Held(dspan), [p.id.clone(), d.id.clone()])),
                 Err(e) => {
                     telemetry::record_status(&dspan, Some(&e));
                     drop(prefill_task);
@@ -379,11 +379,11 @@ impl Router {
             let ev = match msg {
                 Ok(Some(m)) => m.event,
                 Ok(None) => {
-                    telemetry::mark_error(&_busy.2, "stream ended without finishing");
+                    telemetry::mark_error(_busy.2.span(), "stream ended without finishing");
                     return Err(Status::unavailable("decode worker ended the stream without finishing"));
                 }
                 Err(e) => {
-                    telemetry::record_status(&_busy.2, Some(&e));
+                    telemetry::record_status(_busy.2.span(), Some(&e));
                     return Err(decode_failure(e));
                 }
             };
@@ -409,17 +409,17 @@ impl Router {
                     }
                 }
                 Some(dpb::generate_response::Event::Finished(f)) => {
-                    telemetry::record_status(&_busy.2, None);
+                    telemetry::record_status(_busy.2.span(), None);
                     let mut rest = String::new();
                     if let Some(mut d) = detok.take() {
                         drop(d.tx);
                         let t = Instant::now();
-                        while let Ok(Some(m)) = d.rx.message().instrument(d.rpc.clone()).await {
+                        while let Ok(Some(m)) = d.rx.message().instrument(d.rpc.span().clone()).await {
                             rest.push_str(&m.text);
                         }
                         d.busy += t.elapsed();
-                        d.span.set_attribute("detokenize.busy_ms", d.busy.as_secs_f64() * 1e3);
-                        d.span.set_attribute("detokenize.calls", d.calls as i64);
+                        d.span.span().set_attribute("detokenize.busy_ms", d.busy.as_secs_f64() * 1e3);
+                        d.span.span().set_attribute("detokenize.calls", d.calls as i64);
                     }
                     let step = stops.push(&rest);
                     let mut tail = step.emit;
@@ -449,7 +449,7 @@ impl Router {
             };
             let resp = c.detokenize(req).instrument(rpc.clone()).await;
             let resp = telemetry::finish(&rpc, resp).map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
-            *detok = Some(Detok { tx: s, rx: resp.into_inner(), span, rpc, busy: Duration::ZERO, calls: 0 });
+            *detok = Some(Detok { tx: s, rx: resp.into_inner(), span: telemetry::Held(span), rpc: telemetry::Held(rpc), busy: Duration::ZERO, calls: 0 });
         }
         let d = detok.as_mut().expect("just set");
         let t = Instant::now();
@@ -499,8 +499,8 @@ fn decode_failure(e: Status) -> Status {
 struct Detok {
     tx: mpsc::Sender<tpb::DetokenizeRequest>,
     rx: tonic::Streaming<tpb::DetokenizeResponse>,
-    span: tracing::Span,
-    rpc: tracing::Span,
+    span: telemetry::Held,
+    rpc: telemetry::Held,
     busy: Duration,
     calls: u32,
 }
