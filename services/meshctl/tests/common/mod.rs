@@ -147,6 +147,27 @@ pub fn post(addr: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u1
     parse_response(&raw)
 }
 
+/// POST and return (status, a response header's value if present, body).
+pub fn post_header(addr: &str, path: &str, body: &str, headers: &[(&str, &str)], want: &str) -> (u16, Option<String>, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut h = String::new();
+    for (k, v) in headers {
+        h.push_str(&format!("{k}: {v}\r\n"));
+    }
+    write!(s, "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{h}Connection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let head = text.split_once("\r\n\r\n").map(|(h, _)| h).unwrap_or(&text);
+    let value = head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(want).then(|| v.trim().to_string())
+    });
+    let (code, body) = parse_response(&raw);
+    (code, value, body)
+}
+
 pub fn parse_response(raw: &[u8]) -> (u16, String) {
     let text = String::from_utf8_lossy(raw).to_string();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
