@@ -295,6 +295,31 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
         assert!(t_wait.elapsed() < Duration::from_secs(30), "the 12 streams did not all start");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // A probe refuses to measure a mesh this busy, unless forced; forced,
+    // it reports the load it met on the workers that served it.
+    let probe = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_meshctl"))
+            .args(["probe", "--json", "--registry-dir"])
+            .arg(mesh.dir.join("registry"))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = probe(&[]);
+    assert!(!refused.status.success(), "probe ran on a busy mesh");
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("not probing") && why.contains("decode-0"), "{why}");
+    let forced = probe(&["--force"]);
+    assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&forced.stdout).unwrap();
+    let dw = v["workers"].as_array().unwrap().iter().find(|w| w["id"] == "decode-0").expect("decode-0 served the probe").clone();
+    assert!(dw["load_before"]["running"].as_u64().unwrap() >= 12, "{v}");
+    assert!(v["total_ms"].as_f64().unwrap() > 0.0 && v["trace_id"].as_str().unwrap().len() == 32, "{v}");
+    let ptid = v["trace_id"].as_str().unwrap().to_string();
+    let psp = sink.wait_trace(&ptid, Duration::from_secs(20), |s| s.iter().any(|x| x.name == "decode_loop") && roots(s).len() == 1).await;
+    let pe = explain(&psp).unwrap();
+    assert_eq!(pe.dominant, "decode steps", "the probe's own trace, started by meshctl:\n{}", pe.table());
+
     // The load plants no fixed delay; the client measures, on its own clock,
     // how long its tokens took to come after the first one: that is the
     // share the decode steps should account for.
@@ -311,4 +336,8 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     let dl = sp.iter().find(|s| s.name == "decode_loop").unwrap();
     assert!(dl.attr_f64("decode.batch_mean").unwrap() >= 10.0, "{dl:?}");
     mesh.assert_released(Duration::from_secs(20)).await;
+
+    // Unloaded, the probe runs without --force.
+    let ok = probe(&[]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
 }
