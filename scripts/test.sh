@@ -3,9 +3,10 @@
 # every test in the one build profile the project uses (release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# libclang, the NIXL wheel (the tests expect NIXL to load) and the official
-# OpenAI client (the gateway's client test), if missing.
-bash scripts/deps.sh openai==3.57.0
+# libclang, the NIXL wheel (the tests expect NIXL to load), the official
+# OpenAI client (the gateway's client test) and Prometheus (it scrapes a
+# mesh in a test), if missing.
+bash scripts/deps.sh --apt prometheus openai==3.57.0
 cargo build --release --workspace --all-targets
 ./target/release/pdmesh-engine fetch
 log=$(mktemp)

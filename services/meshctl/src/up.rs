@@ -56,6 +56,10 @@ pub struct Args {
     /// Do not restart a service that exits on its own.
     #[arg(long)]
     pub no_restart: bool,
+    /// Write a Prometheus file_sd target list of every service's /metrics
+    /// address to this file once the mesh is up (see infra/prometheus.yml).
+    #[arg(long)]
+    pub prometheus_sd: Option<PathBuf>,
     /// Tracing flags, passed to every service.
     #[command(flatten)]
     pub telemetry: pdmesh_core::telemetry::TelemetryArgs,
@@ -72,6 +76,23 @@ struct Svc {
     log: PathBuf,
     child: Option<Child>,
     restarts: u32,
+    /// Whether meshctl picked the gRPC port (not the gateway's --gateway-addr).
+    own_listen: bool,
+}
+
+/// Write every service's /metrics address as a Prometheus file_sd list.
+fn write_prometheus_sd(f: &Path, svcs: &[Svc]) -> Result<(), String> {
+    let targets: Vec<serde_json::Value> = svcs
+        .iter()
+        .map(|s| {
+            let service = s.name.rsplit_once('-').map_or(s.name.as_str(), |(n, _)| n);
+            serde_json::json!({ "targets": [s.http], "labels": { "service": format!("pdmesh-{service}"), "instance_id": s.name } })
+        })
+        .collect();
+    let tmp = f.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&targets).unwrap_or_default())
+        .and_then(|_| std::fs::rename(&tmp, f))
+        .map_err(|e| format!("cannot write --prometheus-sd {}: {e}", f.display()))
 }
 
 fn free_addr() -> Result<String, String> {
@@ -86,6 +107,27 @@ fn log_tail(p: &Path) -> String {
 }
 
 impl Svc {
+    /// The ports meshctl picks are free when picked, but another process
+    /// may take one before the service binds it: then it gets new ones.
+    fn port_was_taken(&self) -> bool {
+        log_tail(&self.log).lines().last().is_some_and(|l| l.contains("Address already in use"))
+    }
+
+    fn new_ports(&mut self) -> Result<(), String> {
+        for i in 0..self.args.len().saturating_sub(1) {
+            match self.args[i].as_str() {
+                "--listen" if self.own_listen => self.args[i + 1] = free_addr()?,
+                "--http-listen" => {
+                    self.http = free_addr()?;
+                    self.args[i + 1] = self.http.clone();
+                }
+                _ => {}
+            }
+        }
+        eprintln!("meshctl: {}: a port was taken meanwhile; retrying on new ports (http {})", self.name, self.http);
+        Ok(())
+    }
+
     fn spawn(&mut self) -> Result<(), String> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(|e| format!("{}: {e}", self.log.display()))?;
         let err = log.try_clone().map_err(|e| e.to_string())?;
@@ -209,17 +251,35 @@ pub async fn run(a: Args) -> Result<(), String> {
                 }
                 _ => {}
             }
-            svcs.push(Svc { name: id.clone(), bin: bin_dir.join(format!("pdmesh-{name}")), args, http, log: log_dir.join(format!("{id}.log")), child: None, restarts: 0 });
+            svcs.push(Svc {
+                name: id.clone(),
+                bin: bin_dir.join(format!("pdmesh-{name}")),
+                args,
+                http,
+                log: log_dir.join(format!("{id}.log")),
+                child: None,
+                restarts: 0,
+                own_listen: name != "gateway",
+            });
         }
     }
     let timeout = Duration::from_secs(a.ready_timeout_s);
     let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());
     // Start in order, each gated on the previous one's health.
     for i in 0..svcs.len() {
-        svcs[i].spawn()?;
-        let r = tokio::select! {
-            r = svcs[i].wait_healthy(timeout) => r,
-            _ = &mut stop => Err("interrupted".into()),
+        let mut tries = 0;
+        let r = loop {
+            svcs[i].spawn()?;
+            let r = tokio::select! {
+                r = svcs[i].wait_healthy(timeout) => r,
+                _ = &mut stop => Err("interrupted".into()),
+            };
+            tries += 1;
+            if r.is_err() && tries < 4 && svcs[i].port_was_taken() {
+                svcs[i].new_ports()?;
+                continue;
+            }
+            break r;
         };
         if let Err(e) = r {
             for s in svcs.iter_mut().rev() {
@@ -229,9 +289,26 @@ pub async fn run(a: Args) -> Result<(), String> {
         }
         eprintln!("meshctl: {:<9} healthy (http {}, log {})", svcs[i].name, svcs[i].http, svcs[i].log.display());
     }
+    if let Some(f) = &a.prometheus_sd {
+        if let Err(e) = write_prometheus_sd(f, &svcs) {
+            for s in svcs.iter_mut().rev() {
+                s.stop(Duration::from_secs(5)).await;
+            }
+            return Err(e);
+        }
+        eprintln!("meshctl: Prometheus targets in {}", f.display());
+    }
     println!("pdmesh is up: http://{}/v1 (registry {}); Ctrl-C stops it", a.gateway_addr, a.registry_dir.display());
     // Supervise until a signal.
+    let mut sd_stale = false;
     loop {
+        if std::mem::take(&mut sd_stale) {
+            if let Some(f) = &a.prometheus_sd {
+                if let Err(e) = write_prometheus_sd(f, &svcs) {
+                    eprintln!("meshctl: {e}");
+                }
+            }
+        }
         tokio::select! {
             _ = &mut stop => break,
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
@@ -246,6 +323,12 @@ pub async fn run(a: Args) -> Result<(), String> {
                 }
                 s.restarts += 1;
                 eprintln!("meshctl: {} exited ({st}); restarting it alone (restart {})", s.name, s.restarts);
+                if s.port_was_taken() {
+                    if let Err(e) = s.new_ports() {
+                        eprintln!("meshctl: {e}");
+                    }
+                    sd_stale = true;
+                }
                 if let Err(e) = s.spawn() {
                     eprintln!("meshctl: {e}");
                 }
