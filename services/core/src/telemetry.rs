@@ -239,19 +239,23 @@ pub fn span_context(span: &tracing::Span) -> Option<opentelemetry::trace::SpanCo
     sc.is_valid().then_some(sc)
 }
 
-/// A gRPC server span named after the method (`pdmesh.router.v1.Router/Generate`),
-/// continuing the caller's trace from the request metadata.
-pub fn server_span<T>(method: &'static str, req: &tonic::Request<T>) -> tracing::Span {
+/// An RPC span named after the method (`pdmesh.router.v1.Router/Generate`).
+fn rpc_span(method: &'static str, kind: &'static str) -> tracing::Span {
     let (service, rpc) = method.split_once('/').unwrap_or((method, ""));
-    let span = tracing::info_span!(
-        "grpc.server",
+    tracing::info_span!(
+        "grpc",
         otel.name = method,
-        otel.kind = "server",
+        otel.kind = kind,
         rpc.system = "grpc",
         rpc.service = service,
         rpc.method = rpc,
         rpc.grpc.status_code = tracing::field::Empty,
-    );
+    )
+}
+
+/// A gRPC server span continuing the caller's trace from the request metadata.
+pub fn server_span<T>(method: &'static str, req: &tonic::Request<T>) -> tracing::Span {
+    let span = rpc_span(method, "server");
     if enabled() {
         let parent = TraceContextPropagator::new().extract(&MetadataExtractor(req.metadata()));
         let _ = span.set_parent(parent);
@@ -261,16 +265,7 @@ pub fn server_span<T>(method: &'static str, req: &tonic::Request<T>) -> tracing:
 
 /// A gRPC client span (child of the current span) and a request carrying its context.
 pub fn client_request<T>(method: &'static str, msg: T) -> (tonic::Request<T>, tracing::Span) {
-    let (service, rpc) = method.split_once('/').unwrap_or((method, ""));
-    let span = tracing::info_span!(
-        "grpc.client",
-        otel.name = method,
-        otel.kind = "client",
-        rpc.system = "grpc",
-        rpc.service = service,
-        rpc.method = rpc,
-        rpc.grpc.status_code = tracing::field::Empty,
-    );
+    let span = rpc_span(method, "client");
     let mut req = tonic::Request::new(msg);
     inject(&span, req.metadata_mut());
     (req, span)

@@ -309,7 +309,7 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     assert!(!refused.status.success(), "probe ran on a busy mesh");
     let why = String::from_utf8_lossy(&refused.stderr);
     assert!(why.contains("not probing") && why.contains("decode-0"), "{why}");
-    let forced = probe(&["--force"]);
+    let forced = probe(&["--force", "--max-tokens", "32"]);
     assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
     let v: serde_json::Value = serde_json::from_slice(&forced.stdout).unwrap();
     let dw = v["workers"].as_array().unwrap().iter().find(|w| w["id"] == "decode-0").expect("decode-0 served the probe").clone();

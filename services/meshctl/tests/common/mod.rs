@@ -135,16 +135,8 @@ fn rand_suffix() -> u64 {
 }
 
 pub fn post(addr: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let mut h = String::new();
-    for (k, v) in headers {
-        h.push_str(&format!("{k}: {v}\r\n"));
-    }
-    write!(s, "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{h}Connection: close\r\n\r\n{body}", body.len()).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    parse_response(&raw)
+    let (code, _, body) = post_header(addr, path, body, headers, "");
+    (code, body)
 }
 
 /// POST and return (status, a response header's value if present, body).
