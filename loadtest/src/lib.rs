@@ -7,12 +7,13 @@
 //! end-to-end latency, outcome (stalls counted apart from errors, with their
 //! request ids). Aggregates: percentiles, throughput, goodput within an SLO.
 //! While load runs, the targets' /metrics load gauges are sampled beside the
-//! timeline. Output: JSON and Markdown. Load goes only to the address
+//! timeline. Output: JSON, Markdown and plots (PNG and SVG). Load goes only to the address
 //! given, bounded in requests and time; Ctrl-C stops launching and still
 //! reports what was measured.
 
 pub mod ab;
 pub mod client;
+pub mod plot;
 pub mod report;
 pub mod run;
 pub mod sampler;

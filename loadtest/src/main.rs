@@ -111,6 +111,11 @@ struct Args {
     /// Write the Markdown summary here (default: stderr).
     #[arg(long)]
     markdown: Option<PathBuf>,
+    /// Write plots as PNG and SVG beside this path prefix: PREFIX-throughput,
+    /// PREFIX-latency (against load, one line per target) and PREFIX-timeline
+    /// (the last run of the first target, with the sampled load).
+    #[arg(long)]
+    plots: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -165,6 +170,7 @@ async fn main() -> ExitCode {
     let mut points_b = Vec::new();
     let mut ab_points = Vec::new();
     let mut all = Vec::new();
+    let mut last_a: Option<(String, Vec<pdmesh_loadtest::client::Record>, Vec<pdmesh_loadtest::sampler::Sample>)> = None;
     for (i, &level) in levels.iter().enumerate() {
         let (mut runs_a, mut runs_b) = (Vec::new(), Vec::new());
         for r in 0..rounds {
@@ -223,6 +229,14 @@ async fn main() -> ExitCode {
                 let p = aggregate(level.round() as usize, &records, wall, slo);
                 eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);
                 all.push(serde_json::json!({ "level": level, "side": side, "round": r, "target": wl.addr, "records": records, "metrics_samples": samples }));
+                if *side == "A" {
+                    let what = match a.mode {
+                        Mode::Closed => format!("concurrency {level}"),
+                        Mode::Poisson => format!("{level} requests/s"),
+                        Mode::Agentic => format!("{} sessions x {} rounds", a.sessions, a.rounds),
+                    };
+                    last_a = Some((format!("{}: {what}", a.label_a), records.clone(), samples.clone()));
+                }
                 if *side == "A" { runs_a.push(p) } else { runs_b.push(p) }
             }
         }
@@ -291,6 +305,26 @@ async fn main() -> ExitCode {
             }
         }
         None => eprintln!("{md}"),
+    }
+    if let Some(prefix) = &a.plots {
+        use pdmesh_loadtest::plot::{write_all, Curve};
+        let mut curves = vec![Curve::from_points(&a.label_a, &points)];
+        if ab {
+            curves.push(Curve::from_points(&a.label_b, &points_b));
+        }
+        let xdesc = match a.mode {
+            Mode::Closed => "concurrency (log scale)",
+            Mode::Poisson => "arrival rate, requests/s (log scale)",
+            Mode::Agentic => "sessions (log scale)",
+        };
+        let timeline = last_a.as_ref().map(|(t, r, s)| (t.as_str(), r.as_slice(), s.as_slice()));
+        match write_all(prefix, &curves, xdesc, timeline) {
+            Ok(files) => eprintln!("plots: {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
     }
     ExitCode::SUCCESS
 }

@@ -187,3 +187,47 @@ async fn ab_reports_the_ratio_of_two_servers_run_interleaved() {
     let t = p.ratio_ttft_p50.unwrap();
     assert!((t - 2.0).abs() < 0.5, "TTFT B/A {t}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_writes_json_markdown_and_plots_for_an_ab_sweep() {
+    let fast = server(Program { ttft: Duration::from_millis(30), interval: Duration::from_millis(5), tokens: 8, stall_after: None, status: 200, seen: Default::default() }).await;
+    let slow = server(Program { ttft: Duration::from_millis(60), interval: Duration::from_millis(10), tokens: 8, stall_after: None, status: 200, seen: Default::default() }).await;
+    let dir = std::env::temp_dir().join(format!("pdmesh-loadtest-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pdmesh-loadtest"))
+            .args(["--target", &fast, "--target-b", &slow, "--label-a", "fastserver", "--label-b", "slowserver"])
+            .args(["--concurrency", "1,2,4", "--requests", "6", "--ab-rounds", "1", "--max-tokens", "8"])
+            .arg("--out")
+            .arg(d.join("run.json"))
+            .arg("--markdown")
+            .arg(d.join("run.md"))
+            .arg("--plots")
+            .arg(d.join("run"))
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    assert_eq!(v["points"].as_array().unwrap().len(), 3);
+    assert_eq!(v["ab"].as_array().unwrap().len(), 3);
+    let md = std::fs::read_to_string(dir.join("run.md")).unwrap();
+    assert!(md.contains("fastserver") && md.contains("slowserver"), "{md}");
+    for name in ["throughput", "latency", "timeline"] {
+        let png = std::fs::read(dir.join(format!("run-{name}.png"))).unwrap();
+        assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000, "{name}.png: {} bytes", png.len());
+        let svg = std::fs::read_to_string(dir.join(format!("run-{name}.svg"))).unwrap();
+        assert!(svg.contains("<svg"), "{name}.svg");
+        if name != "timeline" {
+            assert!(svg.contains("fastserver") && svg.contains("slowserver"), "{name}.svg lacks the legend");
+        }
+    }
+    // Three levels: the throughput plot has a marker per level per target.
+    let svg = std::fs::read_to_string(dir.join("run-throughput.svg")).unwrap();
+    assert!(svg.matches("<circle").count() >= 6, "markers in the throughput plot");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -338,3 +338,102 @@ pub fn parse_trace_id(s: &str) -> Result<String, String> {
         Err(format!("a trace id is 32 hex digits, got {s:?}"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(id: &str, parent: &str, name: &str, service: &str, kind: &str, start_ms: u64, end_ms: u64, attrs: &[(&str, Value)]) -> Span {
+        Span {
+            trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
+            span_id: id.into(),
+            parent_id: parent.into(),
+            name: name.into(),
+            service: service.into(),
+            kind: kind.into(),
+            start_ns: start_ms * 1_000_000,
+            end_ns: end_ms * 1_000_000,
+            attrs: attrs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+            links: vec![],
+            error: false,
+        }
+    }
+
+    fn sample() -> Vec<Span> {
+        vec![
+            span("0000000000000001", "", "POST /v1/chat/completions", "pdmesh-gateway", "server", 0, 1000, &[("gateway.client_tail_ms", json!(100.0))]),
+            span("0000000000000002", "0000000000000001", "pdmesh.router.v1.Router/Generate", "pdmesh-router", "server", 2, 890, &[]),
+            span("0000000000000003", "0000000000000002", "tokenize", "pdmesh-router", "internal", 3, 8, &[("prompt_tokens", json!(30))]),
+            span("0000000000000004", "0000000000000002", "pdmesh.prefill.v1.Prefill/Prefill", "pdmesh-prefill", "server", 10, 400, &[]),
+            span("0000000000000005", "0000000000000004", "queued", "pdmesh-prefill", "internal", 11, 300, &[("prefill.running", json!(3)), ("prefill.queue_depth", json!(5))]),
+            span("0000000000000006", "0000000000000004", "prefill_forward", "pdmesh-prefill", "internal", 300, 350, &[]),
+            span("0000000000000007", "0000000000000004", "kv_transfer", "pdmesh-prefill", "internal", 352, 398, &[("kv.transport", json!("nixl"))]),
+            span("0000000000000008", "0000000000000002", "pdmesh.decode.v1.Decode/Generate", "pdmesh-decode", "server", 10, 880, &[]),
+            span("0000000000000009", "0000000000000008", "admit", "pdmesh-decode", "internal", 10, 15, &[]),
+            span("000000000000000a", "0000000000000008", "decode_loop", "pdmesh-decode", "internal", 400, 880, &[("decode.steps", json!(31))]),
+        ]
+    }
+
+    /// The same spans in Jaeger's `/api/traces/<id>` shape (a hand-made
+    /// document following Jaeger's query API, not a real Jaeger).
+    fn as_jaeger(spans: &[Span]) -> Value {
+        let services: Vec<&str> = spans.iter().map(|s| s.service.as_str()).collect();
+        let pid = |svc: &str| format!("p{}", services.iter().position(|s| *s == svc).unwrap());
+        json!({ "data": [{
+            "traceID": spans[0].trace_id,
+            "spans": spans.iter().map(|s| json!({
+                "traceID": s.trace_id, "spanID": s.span_id, "operationName": s.name,
+                "references": if s.parent_id.is_empty() { json!([]) } else { json!([{ "refType": "CHILD_OF", "traceID": s.trace_id, "spanID": s.parent_id }]) },
+                "startTime": s.start_ns / 1000, "duration": (s.end_ns - s.start_ns) / 1000,
+                "tags": s.attrs.iter().map(|(k, v)| json!({ "key": k, "type": "string", "value": v })).chain(std::iter::once(json!({ "key": "span.kind", "type": "string", "value": s.kind }))).collect::<Vec<_>>(),
+                "processID": pid(&s.service),
+            })).collect::<Vec<_>>(),
+            "processes": spans.iter().map(|s| (pid(&s.service), json!({ "serviceName": s.service }))).collect::<serde_json::Map<_, _>>(),
+        }]})
+    }
+
+    #[test]
+    fn otlp_json_and_jaeger_documents_read_back_the_same_spans() {
+        let spans = sample();
+        let back = from_otlp_json(&to_otlp_json(&spans));
+        let mut a = spans.clone();
+        let mut b = back.clone();
+        a.sort_by(|x, y| x.span_id.cmp(&y.span_id));
+        b.sort_by(|x, y| x.span_id.cmp(&y.span_id));
+        assert_eq!(a, b);
+        let j = from_jaeger(&as_jaeger(&spans)).unwrap();
+        assert_eq!(j.len(), spans.len());
+        let e1 = crate::explain::explain(&spans).unwrap();
+        let e2 = crate::explain::explain(&j).unwrap();
+        assert_eq!(e1.dominant, "decode steps");
+        assert_eq!(e1.dominant, e2.dominant);
+        for (p, q) in e1.parts.iter().zip(&e2.parts) {
+            assert!((p.ms - q.ms).abs() < 0.01, "{} {} vs {}", p.cause, p.ms, q.ms);
+        }
+    }
+
+    #[test]
+    fn explain_charges_each_stretch_once_and_sums_to_the_request() {
+        let e = crate::explain::explain(&sample()).unwrap();
+        let get = |c: &str| e.parts.iter().find(|p| p.cause == c).unwrap().ms;
+        assert!((e.total_ms - 1000.0).abs() < 1e-6);
+        assert!((get("gateway/proxy") - (2.0 + 10.0)).abs() < 1e-6, "before the router and after it until the client's backlog");
+        assert!((get("tokenize") - 5.0).abs() < 1e-6);
+        assert!((get("queue wait") - 289.0).abs() < 1e-6);
+        assert!((get("prefill compute") - 50.0).abs() < 1e-6);
+        assert!((get("KV transfer") - 50.0).abs() < 1e-6);
+        assert!((get("decode steps") - 480.0).abs() < 1e-6);
+        assert!((get("client write") - 100.0).abs() < 1e-6);
+        let sum: f64 = e.parts.iter().map(|p| p.ms).sum();
+        assert!((sum - 1000.0).abs() < 1e-6, "{sum}");
+        assert!((get("router") - 4.0).abs() < 1e-6 && (get("detokenize") - 10.0).abs() < 1e-6);
+        assert!(e.sentence.starts_with("Decode steps took 48%"), "{}", e.sentence);
+    }
+
+    #[test]
+    fn trace_ids_are_checked() {
+        assert!(parse_trace_id("0AF7651916CD43DD8448EB211C80319C").is_ok());
+        assert!(parse_trace_id("xyz").is_err());
+        assert!(parse_trace_id(&"0".repeat(32)).is_err());
+    }
+}
