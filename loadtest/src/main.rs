@@ -73,6 +73,9 @@ struct Args {
     /// max_tokens of each request.
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
+    /// Ask for exactly max_tokens per answer (`"ignore_eos": true`; pdmesh and llama-server honour it).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Sampling temperature of each request.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
@@ -134,6 +137,7 @@ async fn main() -> ExitCode {
         timeout: Duration::from_secs_f64(a.timeout_s),
         temperature: a.temperature,
         id_prefix: String::new(),
+        ignore_eos: a.ignore_eos,
     };
     // Unique request ids across invocations (time) and runs (side, round).
     let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() % 1_000_000).unwrap_or(0);
@@ -265,7 +269,9 @@ async fn main() -> ExitCode {
             eprintln!("warning: {label}: throughput falls as load rises, at levels {f:?}");
         }
     }
+    let command: Vec<String> = std::env::args().collect();
     let result = serde_json::json!({
+        "command": command,
         "target": a.target,
         "model": a.model,
         "workload": { "mode": format!("{:?}", a.mode).to_lowercase(), "levels": levels, "requests_per_point": a.requests, "sessions": a.sessions, "rounds": a.rounds, "think_s": a.think_s, "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed, "stall_s": a.stall_s },
@@ -287,7 +293,8 @@ async fn main() -> ExitCode {
         }
         None => println!("{json}"),
     }
-    let mut md = markdown(&a.target, &points);
+    let mut md = format!("Command: `{}`\n\n", command.join(" "));
+    md.push_str(&markdown(&a.target, &points));
     if ab {
         md.push_str(&markdown(a.target_b.as_deref().unwrap_or(""), &points_b).replacen("# Load test", "\n# Load test", 1));
         md.push_str(&pdmesh_loadtest::ab::markdown(&a.label_a, &a.label_b, &ab_points));

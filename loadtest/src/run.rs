@@ -68,6 +68,8 @@ pub struct Workload {
     /// Request ids are `<id_prefix>-<point>-<n>`: make it unique per run
     /// (servers may refuse a reused id).
     pub id_prefix: String,
+    /// Send `"ignore_eos": true` (pdmesh and llama.cpp's server honour it), so every answer is max_tokens long.
+    pub ignore_eos: bool,
 }
 
 impl Workload {
@@ -76,15 +78,18 @@ impl Workload {
     }
 
     fn chat_body(&self, messages: &serde_json::Value) -> String {
-        serde_json::json!({
+        let mut b = serde_json::json!({
             "model": self.model,
             "messages": messages,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "stream": true,
             "stream_options": { "include_usage": true },
-        })
-        .to_string()
+        });
+        if self.ignore_eos {
+            b["ignore_eos"] = serde_json::json!(true);
+        }
+        b.to_string()
     }
 }
 

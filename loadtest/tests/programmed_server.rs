@@ -68,7 +68,7 @@ async fn server_arc(p: Arc<Program>) -> String {
 }
 
 fn workload(addr: String, stall: Duration) -> Workload {
-    Workload { addr, model: "m".into(), max_tokens: 16, seed: 7, stall, timeout: Duration::from_secs(30), temperature: 0.0, id_prefix: "lt-7".into() }
+    Workload { addr, model: "m".into(), max_tokens: 16, seed: 7, stall, timeout: Duration::from_secs(30), temperature: 0.0, id_prefix: "lt-7".into(), ignore_eos: false }
 }
 
 fn stop() -> Arc<std::sync::atomic::AtomicBool> {
