@@ -60,7 +60,16 @@ impl Curve {
     }
 }
 
-const COLORS: [RGBColor; 4] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
 
 fn err<E: std::fmt::Debug>(e: E) -> String {
     format!("plot: {e:?}")
@@ -85,7 +94,7 @@ fn draw_throughput<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, curves: &[
         .y_label_area_size(60)
         .build_cartesian_2d(level_range(curves).log_scale(), 0.0..ymax)
         .map_err(err)?;
-    chart.configure_mesh().x_desc(xdesc).y_desc("output tokens/s").draw().map_err(err)?;
+    chart.configure_mesh().x_desc(xdesc).y_desc("output tokens/s").max_light_lines(1).draw().map_err(err)?;
     for (i, c) in curves.iter().enumerate() {
         let col = COLORS[i % COLORS.len()];
         let pts: Vec<(f64, f64)> = c.points.iter().map(|p| (p.0, p.1)).filter(|p| p.1.is_finite()).collect();
@@ -110,7 +119,7 @@ fn draw_latency<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, curves: &[Cur
         .y_label_area_size(70)
         .build_cartesian_2d(level_range(curves).log_scale(), 0.0..ymax)
         .map_err(err)?;
-    chart.configure_mesh().x_desc(xdesc).y_desc("milliseconds").draw().map_err(err)?;
+    chart.configure_mesh().x_desc(xdesc).y_desc("milliseconds").max_light_lines(1).draw().map_err(err)?;
     type Pick = fn(&(f64, f64, f64, f64, f64)) -> f64;
     let series: [(&str, Pick, bool); 3] = [("TTFT p50", |p| p.2, false), ("TTFT p99", |p| p.3, false), ("inter-token p99", |p| p.4, true)];
     for (i, c) in curves.iter().enumerate() {
@@ -161,7 +170,7 @@ fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str,
         .y_label_area_size(60)
         .build_cartesian_2d(0.0..t_end, 0.0..n + 1.0)
         .map_err(err)?;
-    chart.configure_mesh().y_desc("request").x_desc("seconds since the run started").disable_y_mesh().draw().map_err(err)?;
+    chart.configure_mesh().y_desc("request").x_desc("seconds since the run started").disable_y_mesh().max_light_lines(1).draw().map_err(err)?;
     let mut sorted: Vec<&Record> = records.iter().collect();
     sorted.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
     for (i, r) in sorted.iter().enumerate() {
@@ -170,7 +179,7 @@ fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str,
         let first = r.ttft_s.map_or(end, |t| r.start_s + t);
         let done = match r.outcome {
             Outcome::Ok => COLORS[0],
-            Outcome::Stalled => RGBColor(255, 127, 14),
+            Outcome::Stalled => COLORS[4],
             _ => COLORS[1],
         };
         // Waiting for the first token (grey), then streaming (coloured).
@@ -201,9 +210,9 @@ fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str,
         .y_label_area_size(60)
         .build_cartesian_2d(0.0..t_end, 0.0..ymax)
         .map_err(err)?;
-    load.configure_mesh().y_desc("sequences (sampled)").draw().map_err(err)?;
+    load.configure_mesh().y_desc("sequences (sampled)").max_light_lines(1).draw().map_err(err)?;
     for (i, (label, pts)) in series.into_iter().enumerate() {
-        let col = COLORS[(i + 1) % COLORS.len()];
+        let col = COLORS[(i + 2) % COLORS.len()];
         load.draw_series(LineSeries::new(pts, col.stroke_width(2)))
             .map_err(err)?
             .label(label)
