@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tracing overhead: throughput at concurrency 16 with tracing off and with
 # every request traced (100% sampling, exported to `meshctl collect`), run
-# alternately (off, on, off, on, ...) on the same machine.
+# alternately on the same machine; odd rounds run off first, even rounds on
+# first, so neither setting always gets the first (cold) slot.
 # Usage: scripts/bench_tracing.sh [ROUNDS] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,8 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 "$bin/meshctl" collect --listen 127.0.0.1:14317 --out "$work/traces.jsonl" 2>"$work/collect.log" &
 results=()
 for r in $(seq 1 "$rounds"); do
-  for mode in off on; do
+  order="off on"; [ $((r % 2)) -eq 0 ] && order="on off"
+  for mode in $order; do
     reg="$work/reg-$mode-$r"
     flags=()
     [ "$mode" = on ] && flags=(--otlp-endpoint http://127.0.0.1:14317 --trace-sample-ratio 1.0)
