@@ -114,12 +114,12 @@ impl SpanProcessor for Stamp {
 /// lives there) and once per process.
 pub fn init(args: &TelemetryArgs, id: &Identity) -> Result<bool, TelemetryError> {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let Some(endpoint) = args.otlp_endpoint.as_deref().filter(|e| !e.is_empty()) else {
-        return Ok(false);
-    };
     if !(0.0..=1.0).contains(&args.trace_sample_ratio) {
         return Err(TelemetryError::Ratio(args.trace_sample_ratio));
     }
+    let Some(endpoint) = args.otlp_endpoint.as_deref().filter(|e| !e.is_empty()) else {
+        return Ok(false);
+    };
     use opentelemetry_otlp::WithExportConfig;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
@@ -157,6 +157,28 @@ pub fn init(args: &TelemetryArgs, id: &Identity) -> Result<bool, TelemetryError>
     tracing::subscriber::set_global_default(subscriber).map_err(|_| TelemetryError::AlreadyInstalled)?;
     let _ = PROVIDER.set(provider);
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_ratio_is_refused_even_without_an_endpoint() {
+        let id = Identity { service: "t".into(), instance_id: "t-1".into(), config: serde_json::json!({}) };
+        let bad = TelemetryArgs { trace_sample_ratio: 1.5, ..Default::default() };
+        assert!(matches!(init(&bad, &id), Err(TelemetryError::Ratio(_))));
+        assert!(!init(&TelemetryArgs::default(), &id).unwrap(), "off without an endpoint");
+        assert!(!enabled());
+    }
+
+    #[test]
+    fn the_config_hash_is_stable_and_sensitive() {
+        let a = config_hash(&serde_json::json!({ "threads": 2, "kv_blocks": 2048 }));
+        assert_eq!(a, config_hash(&serde_json::json!({ "threads": 2, "kv_blocks": 2048 })));
+        assert_ne!(a, config_hash(&serde_json::json!({ "threads": 1, "kv_blocks": 2048 })));
+        assert_eq!(a.len(), 16);
+    }
 }
 
 /// Export what is still buffered; call once when the process stops.
