@@ -121,6 +121,18 @@ struct Args {
     plots: Option<PathBuf>,
 }
 
+/// Write `text` to `path`, or hand it to `otherwise` when no path was given;
+/// false (after saying why) when the file cannot be written.
+fn write_or(path: Option<&std::path::Path>, text: &str, otherwise: impl Fn(&str)) -> bool {
+    match path {
+        Some(p) => std::fs::write(p, text).map_err(|e| eprintln!("error: writing {}: {e}", p.display())).is_ok(),
+        None => {
+            otherwise(text);
+            true
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let a = Args::parse();
@@ -284,14 +296,8 @@ async fn main() -> ExitCode {
         "runs": all,
     });
     let json = serde_json::to_string_pretty(&result).unwrap_or_default();
-    match &a.out {
-        Some(p) => {
-            if let Err(e) = std::fs::write(p, json) {
-                eprintln!("error: writing {}: {e}", p.display());
-                return ExitCode::FAILURE;
-            }
-        }
-        None => println!("{json}"),
+    if !write_or(a.out.as_deref(), &json, |t| println!("{t}")) {
+        return ExitCode::FAILURE;
     }
     let mut md = format!("Command: `{}`\n\n", command.join(" "));
     md.push_str(&markdown(&a.target, &points));
@@ -304,14 +310,8 @@ async fn main() -> ExitCode {
             md.push_str(&format!("\n**{label}: throughput falls as load rises** (levels {f:?}).\n"));
         }
     }
-    match &a.markdown {
-        Some(p) => {
-            if let Err(e) = std::fs::write(p, md) {
-                eprintln!("error: writing {}: {e}", p.display());
-                return ExitCode::FAILURE;
-            }
-        }
-        None => eprintln!("{md}"),
+    if !write_or(a.markdown.as_deref(), &md, |t| eprintln!("{t}")) {
+        return ExitCode::FAILURE;
     }
     if let Some(prefix) = &a.plots {
         use pdmesh_loadtest::plot::{write_all, Curve};

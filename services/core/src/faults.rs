@@ -4,7 +4,10 @@
 //! `--enable-fault-injection`; then every set is logged to stderr.
 //!
 //! Switches read today: `prefill.transfer_delay_ms` (the prefill waits this
-//! long after claiming a ticket before writing the KV: a stalled transfer).
+//! long after claiming a ticket before writing the KV: a stalled transfer),
+//! `prefill.queue_hold_ms` (each prompt stays queued at least this long) and
+//! `gateway.slow_client_ms` (each SSE chunk is handed to the client this
+//! much later: a slow reader).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -10,7 +10,7 @@ pub mod openai;
 
 use std::future::{Future, IntoFuture};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -208,7 +208,10 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
     }
     let trace_id = telemetry::trace_id(&span);
     let mut tracked = Tracked { g: g.clone(), status: "500", t0: std::time::Instant::now(), span: span.clone(), wait: ClientWait::default() };
-    let mut r = respond(&g, headers, body, kind).instrument(span.clone()).await;
+    let (mut r, sse) = match respond(&g, headers, body, kind).instrument(span.clone()).await {
+        Reply::Done(r) => (r, None),
+        Reply::Sse(rx) => ((StatusCode::OK, [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")]).into_response(), Some(rx)),
+    };
     tracked.status = status_label(r.status().as_u16());
     span.record("http.response.status_code", r.status().as_u16() as i64);
     if r.status().is_server_error() {
@@ -219,10 +222,9 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
     }
     if r.status() == StatusCode::OK {
         // Bodies keep `tracked` (and the span) until their last byte is handed over.
-        let (mut parts, body) = r.into_parts();
-        let chunks = parts.extensions.remove::<SseChunks>();
-        let body = match chunks {
-            Some(c) => Body::from_stream(TrackedBody { inner: c.take(), t: tracked, delay: None }),
+        let (parts, body) = r.into_parts();
+        let body = match sse {
+            Some(rx) => Body::from_stream(TrackedBody { inner: Some(rx), t: tracked, delay: None }),
             None => {
                 tracked.wait.chunks = 1;
                 Body::from_stream(PlainBody { inner: body.into_data_stream(), _t: tracked })
@@ -233,14 +235,12 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
     r
 }
 
-/// The SSE chunks of a streaming response, each with the time it was ready.
-#[derive(Clone)]
-struct SseChunks(Arc<Mutex<Option<tokio::sync::mpsc::Receiver<(std::time::Instant, Bytes)>>>>);
-
-impl SseChunks {
-    fn take(self) -> Option<tokio::sync::mpsc::Receiver<(std::time::Instant, Bytes)>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
+/// What `respond` produced: a whole response (errors, non-streamed
+/// answers), or the SSE chunks of a streamed one, each with the time it was
+/// ready, for `handle` to wrap in a [`TrackedBody`].
+enum Reply {
+    Done(Response),
+    Sse(tokio::sync::mpsc::Receiver<(std::time::Instant, Bytes)>),
 }
 
 struct PlainBody<S> {
@@ -299,11 +299,11 @@ impl tokio_stream::Stream for TrackedBody {
     }
 }
 
-async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
+async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) -> Reply {
     let chat = matches!(kind, Kind::Chat);
     let mut parsed = match openai::parse(&body, kind, &g.config.model_name, g.config.default_max_tokens) {
         Ok(p) => p,
-        Err(e) => return bad_request(e),
+        Err(e) => return Reply::Done(bad_request(e)),
     };
     let prefix = if chat { "chatcmpl" } else { "cmpl" };
     let id = match headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
@@ -319,11 +319,11 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         }
     }
     let Some(list) = g.router.wait_any(Duration::from_secs(2)).await else {
-        return error_body(503, "no router is available", "service_unavailable", None, Some("unavailable"));
+        return Reply::Done(error_body(503, "no router is available", "service_unavailable", None, Some("unavailable")));
     };
     let ch = match g.router.channel(&list[0]) {
         Ok(c) => c,
-        Err(e) => return error_body(500, &e, "internal_error", None, None),
+        Err(e) => return Reply::Done(error_body(500, &e, "internal_error", None, None)),
     };
     // The client span lasts as long as the router's stream.
     let (mut req, rpc) = telemetry::client_request("pdmesh.router.v1.Router/Generate", parsed.request);
@@ -341,11 +341,11 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         Ok(Ok(x)) => x,
         Ok(Err(s)) => {
             telemetry::record_status(&rpc, Some(&s));
-            return status_response(&s);
+            return Reply::Done(status_response(&s));
         }
         Err(_) => {
             telemetry::mark_error(&rpc, "deadline exceeded");
-            return error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded"));
+            return Reply::Done(error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded")));
         }
     };
     let created = now_s();
@@ -357,7 +357,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         loop {
             let ev = match next.and_then(|m| m.event) {
                 Some(e) => e,
-                None => return error_body(503, "the router ended the stream without finishing", "service_unavailable", None, Some("unavailable")),
+                None => return Reply::Done(error_body(503, "the router ended the stream without finishing", "service_unavailable", None, Some("unavailable"))),
             };
             match ev {
                 pb::generate_response::Event::Delta(d) => text.push_str(&d.text),
@@ -373,16 +373,16 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
                                 "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": fr }],
                                 "usage": usage_json(&f) })
                     };
-                    return ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response();
+                    return Reply::Done(([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response());
                 }
             }
             next = match tokio::time::timeout_at(until, stream.message()).await {
                 Ok(Ok(m)) => m,
                 Ok(Err(s)) => {
                     telemetry::record_status(&rpc, Some(&s));
-                    return status_response(&s);
+                    return Reply::Done(status_response(&s));
                 }
-                Err(_) => return error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded")),
+                Err(_) => return Reply::Done(error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded"))),
             };
         }
     }
@@ -453,10 +453,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
             };
         }
     });
-    // `handle` takes the chunks out and wraps them in a TrackedBody.
-    let mut r = ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::empty()).into_response();
-    r.extensions_mut().insert(SseChunks(Arc::new(Mutex::new(Some(rx)))));
-    r
+    Reply::Sse(rx)
 }
 
 /// Sends each chunk with the time it became ready.

@@ -112,12 +112,11 @@ pub struct ProbeArgs {
     pub json: bool,
 }
 
+/// Random hex digits (std's per-instance random hash keys; no extra crate).
 fn random_hex(bytes: usize) -> String {
     let mut out = String::new();
     while out.len() < 2 * bytes {
-        let mut h = RandomState::new().build_hasher();
-        h.write_u128(Instant::now().elapsed().as_nanos() ^ std::process::id() as u128);
-        out += &format!("{:016x}", h.finish());
+        out += &format!("{:016x}", RandomState::new().build_hasher().finish());
     }
     out.truncate(2 * bytes);
     out

@@ -283,7 +283,7 @@ impl Router {
         let mut tried_d: Vec<String> = Vec::new();
         let mut tried_p: Vec<String> = Vec::new();
         let mut attempt = 0u32;
-        let (mut dstream, prefill_task, _busy) = loop {
+        let (mut dstream, prefill_task, pair) = loop {
             // The ticket id is the request id made unique: callers may reuse
             // request ids, and the broker remembers ended tickets for a while.
             let ticket_id = format!("{}#{:x}.{}.{attempt}", job.request_id, std::process::id(), self.next_ticket.fetch_add(1, Ordering::Relaxed));
@@ -339,7 +339,7 @@ impl Router {
             .instrument(dspan.clone())
             .await;
             match opened {
-                Ok(s) => break (s, prefill_task, (dbusy, pbusy, telemetry::Held(dspan), [p.id.clone(), d.id.clone()])),
+                Ok(s) => break (s, prefill_task, Pair { _busy: (dbusy, pbusy), decode_rpc: telemetry::Held(dspan), workers: [p.id.clone(), d.id.clone()] }),
                 Err(e) => {
                     telemetry::record_status(&dspan, Some(&e));
                     drop(prefill_task);
@@ -379,11 +379,11 @@ impl Router {
             let ev = match msg {
                 Ok(Some(m)) => m.event,
                 Ok(None) => {
-                    telemetry::mark_error(_busy.2.span(), "stream ended without finishing");
+                    telemetry::mark_error(pair.decode_rpc.span(), "stream ended without finishing");
                     return Err(Status::unavailable("decode worker ended the stream without finishing"));
                 }
                 Err(e) => {
-                    telemetry::record_status(_busy.2.span(), Some(&e));
+                    telemetry::record_status(pair.decode_rpc.span(), Some(&e));
                     return Err(decode_failure(e));
                 }
             };
@@ -405,11 +405,11 @@ impl Router {
                         return Err(Status::cancelled("client went away"));
                     }
                     if step.stopped {
-                        return self.finish(tx, common::FinishReason::Stop, n_prompt, n_out, &_busy.3).await;
+                        return self.finish(tx, common::FinishReason::Stop, n_prompt, n_out, &pair.workers).await;
                     }
                 }
                 Some(dpb::generate_response::Event::Finished(f)) => {
-                    telemetry::record_status(_busy.2.span(), None);
+                    telemetry::record_status(pair.decode_rpc.span(), None);
                     let mut rest = String::new();
                     if let Some(mut d) = detok.take() {
                         drop(d.tx);
@@ -431,7 +431,7 @@ impl Router {
                     }
                     let reason = if step.stopped { common::FinishReason::Stop } else { common::FinishReason::try_from(f.reason).unwrap_or(common::FinishReason::Stop) };
                     let _ = f.usage;
-                    return self.finish(tx, reason, n_prompt, n_out, &_busy.3).await;
+                    return self.finish(tx, reason, n_prompt, n_out, &pair.workers).await;
                 }
                 Some(dpb::generate_response::Event::Admitted(_)) | None => {}
             }
@@ -492,6 +492,15 @@ fn decode_failure(e: Status) -> Status {
         tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => e,
         _ => Status::unavailable(format!("decode worker failed: {}", e.message())),
     }
+}
+
+/// The prefill and decode worker serving a request: counted as busy, the
+/// decode stream's client span, and their instance ids, while it runs.
+struct Pair {
+    _busy: (Busy, Busy),
+    decode_rpc: telemetry::Held,
+    /// [prefill, decode]
+    workers: [String; 2],
 }
 
 /// The open Detokenize stream of one request, with its spans: `detokenize`
