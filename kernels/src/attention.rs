@@ -6,9 +6,9 @@
 //! so both products run along contiguous memory, as llama.cpp's do.
 
 use crate::dot::Backend;
-use crate::ggml_ref;
 #[cfg(target_arch = "x86_64")]
 use crate::ggml_avx2;
+use crate::ggml_ref;
 use crate::quant::round_f16;
 
 /// Positions of transposed values are padded to a multiple of this (with
@@ -40,7 +40,16 @@ pub struct KvView<'a> {
 
 /// `q` and `out` hold `group` heads of `head_dim` values; positions
 /// `0..n_kv` of `kv` are visible.
-pub fn attend_group(be: Backend, q: &[f32], kv: KvView<'_>, n_kv: usize, scale: f32, order: SumOrder, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend_group(
+    be: Backend,
+    q: &[f32],
+    kv: KvView<'_>,
+    n_kv: usize,
+    scale: f32,
+    order: SumOrder,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let (hd, stride) = (kv.head_dim, kv.stride);
     assert!(n_kv > 0, "attention over an empty context");
     assert!(n_kv <= stride && stride % VALUE_PAD == 0, "value stride must cover n_kv and be a multiple of {VALUE_PAD}");

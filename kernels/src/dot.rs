@@ -202,7 +202,8 @@ pub mod avx2 {
         let sign = _mm256_set1_ps(-0.0);
         for (i, b) in out.iter_mut().enumerate() {
             let p = x.as_ptr().add(i * QK);
-            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+            let v =
+                [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
             let mut mx = _mm256_andnot_ps(sign, v[0]);
             for vv in &v[1..] {
                 mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, *vv));
@@ -217,7 +218,10 @@ pub mod avx2 {
             let mut sum = _mm256_setzero_si256();
             let mut ints = [0i32; QK];
             for (k, vv) in v.iter().enumerate() {
-                let r = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(*vv, mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                let r = _mm256_cvtps_epi32(_mm256_round_ps(
+                    _mm256_mul_ps(*vv, mul),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+                ));
                 sum = _mm256_add_epi32(sum, r);
                 _mm256_storeu_si256(ints.as_mut_ptr().add(k * 8) as *mut __m256i, r);
             }

@@ -23,13 +23,25 @@ pub unsafe fn expf8(x: __m256) -> __m256 {
     );
     let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
     let k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1.0))));
-    let c = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0), n), _mm256_set1_ps(126.0), _CMP_GT_OQ));
+    let c = _mm256_castps_si256(_mm256_cmp_ps(
+        _mm256_andnot_ps(_mm256_set1_ps(-0.0), n),
+        _mm256_set1_ps(126.0),
+        _CMP_GT_OQ,
+    ));
     let u = _mm256_mul_ps(b, b);
     let j = _mm256_fmadd_ps(
         _mm256_fmadd_ps(
-            _mm256_fmadd_ps(_mm256_set1_ps(f32::from_bits(0x3C07_2010)), b, _mm256_set1_ps(f32::from_bits(0x3D2B_9F17))), // 0x1.0e4020p-7, 0x1.573e2ep-5
+            _mm256_fmadd_ps(
+                _mm256_set1_ps(f32::from_bits(0x3C07_2010)),
+                b,
+                _mm256_set1_ps(f32::from_bits(0x3D2B_9F17)),
+            ), // 0x1.0e4020p-7, 0x1.573e2ep-5
             u,
-            _mm256_fmadd_ps(_mm256_set1_ps(f32::from_bits(0x3E2A_AF33)), b, _mm256_set1_ps(f32::from_bits(0x3EFF_FEDB))), // 0x1.555e66p-3, 0x1.fffdb6p-2
+            _mm256_fmadd_ps(
+                _mm256_set1_ps(f32::from_bits(0x3E2A_AF33)),
+                b,
+                _mm256_set1_ps(f32::from_bits(0x3EFF_FEDB)),
+            ), // 0x1.555e66p-3, 0x1.fffdb6p-2
         ),
         u,
         _mm256_mul_ps(_mm256_set1_ps(f32::from_bits(0x3F7F_FFF6)), b), // 0x1.ffffecp-1
@@ -37,10 +49,17 @@ pub unsafe fn expf8(x: __m256) -> __m256 {
     if _mm256_movemask_ps(_mm256_castsi256_ps(c)) == 0 {
         return _mm256_fmadd_ps(j, k, k);
     }
-    let g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)), _mm256_set1_epi32(0x8200_0000u32 as i32));
+    let g = _mm256_and_si256(
+        _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+        _mm256_set1_epi32(0x8200_0000u32 as i32),
+    );
     let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
     let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
-    let d = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0), n), _mm256_set1_ps(192.0), _CMP_GT_OQ));
+    let d = _mm256_castps_si256(_mm256_cmp_ps(
+        _mm256_andnot_ps(_mm256_set1_ps(-0.0), n),
+        _mm256_set1_ps(192.0),
+        _CMP_GT_OQ,
+    ));
     _mm256_or_ps(
         _mm256_and_ps(_mm256_castsi256_ps(d), _mm256_mul_ps(s1, s1)),
         _mm256_andnot_ps(

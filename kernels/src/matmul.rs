@@ -130,7 +130,17 @@ fn prefetch_rows<T>(blocks: &[T], start: usize, count: usize) {
 /// # Safety
 /// `dst` must be valid for every written index and not written by others.
 #[allow(clippy::too_many_arguments)]
-unsafe fn dot_rows_into(be: Backend, w: &QMatrix<'_>, r0: usize, r1: usize, x: &QActs, b0: usize, b1: usize, dst: SyncPtr<f32>, stride: usize) {
+unsafe fn dot_rows_into(
+    be: Backend,
+    w: &QMatrix<'_>,
+    r0: usize,
+    r1: usize,
+    x: &QActs,
+    b0: usize,
+    b1: usize,
+    dst: SyncPtr<f32>,
+    stride: usize,
+) {
     let nb = w.blocks_per_row();
     // Groups: 4 columns x 2 rows while 4 columns remain, then 1 column x 4 rows.
     macro_rules! tile {

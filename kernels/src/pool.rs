@@ -52,11 +52,8 @@ impl Pool {
     /// as one, so `threads - 1` workers are spawned). `threads == 0` means the
     /// machine's available parallelism.
     pub fn new(threads: usize) -> Pool {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        } else {
-            threads
-        };
+        let threads =
+            if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let shared = Arc::new(Shared {
             job: Mutex::new(None),
             epoch: AtomicU64::new(0),

@@ -15,15 +15,22 @@ use tokio::net::TcpStream;
 pub enum Outcome {
     Ok,
     /// An HTTP error status (with the error body's message).
-    Http { status: u16, message: String },
+    Http {
+        status: u16,
+        message: String,
+    },
     /// An error event inside the stream.
-    StreamError { message: String },
+    StreamError {
+        message: String,
+    },
     /// No token for longer than the stall threshold.
     Stalled,
     /// The whole request took longer than the client's timeout.
     Timeout,
     /// Connection refused, reset, malformed response.
-    Transport { message: String },
+    Transport {
+        message: String,
+    },
 }
 
 /// The timings of one request.
@@ -129,7 +136,8 @@ async fn exchange(req: &Request<'_>, t0: Instant, rec: &mut Record) -> Outcome {
             continue; // read the whole error body
         }
         // Parse complete SSE events ("data: ...\n\n") from the body so far.
-        let body = if chunked { dechunk(&buf[header_end.unwrap_or(0)..]) } else { buf[header_end.unwrap_or(0)..].to_vec() };
+        let body =
+            if chunked { dechunk(&buf[header_end.unwrap_or(0)..]) } else { buf[header_end.unwrap_or(0)..].to_vec() };
         let consumed_before = scan - header_end.unwrap_or(0);
         let mut pos = consumed_before.min(body.len());
         while let Some(e) = find(&body[pos..], b"\n\n") {
@@ -171,7 +179,10 @@ async fn exchange(req: &Request<'_>, t0: Instant, rec: &mut Record) -> Outcome {
     }
     if status != 200 {
         let body = header_end.map(|h| if chunked { dechunk(&buf[h..]) } else { buf[h..].to_vec() }).unwrap_or_default();
-        let message = serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v["error"]["message"].as_str().map(String::from)).unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(200).collect());
+        let message = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(String::from))
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(200).collect());
         return Outcome::Http { status, message };
     }
     Outcome::Transport { message: "stream ended without [DONE]".into() }

@@ -23,7 +23,11 @@ enum Mode {
 }
 
 #[derive(Parser)]
-#[command(name = "pdmesh-loadtest", version, about = "Load an OpenAI-compatible server and report latency and throughput")]
+#[command(
+    name = "pdmesh-loadtest",
+    version,
+    about = "Load an OpenAI-compatible server and report latency and throughput"
+)]
 struct Args {
     /// Target `host:port` (the gateway, or any OpenAI-compatible server).
     #[arg(long, default_value = "127.0.0.1:8080")]
@@ -136,7 +140,14 @@ fn write_or(path: Option<&std::path::Path>, text: &str, otherwise: impl Fn(&str)
 #[tokio::main]
 async fn main() -> ExitCode {
     let a = Args::parse();
-    if a.concurrency.iter().any(|c| *c == 0) || a.rate.iter().any(|r| !(*r > 0.0)) || a.requests == 0 || a.sessions == 0 || a.rounds == 0 || a.stall_s <= 0.0 || a.timeout_s <= 0.0 {
+    if a.concurrency.iter().any(|c| *c == 0)
+        || a.rate.iter().any(|r| !(*r > 0.0))
+        || a.requests == 0
+        || a.sessions == 0
+        || a.rounds == 0
+        || a.stall_s <= 0.0
+        || a.timeout_s <= 0.0
+    {
         eprintln!("error: concurrency, rate, requests, sessions, rounds, stall and timeout must be positive");
         return ExitCode::from(2);
     }
@@ -152,7 +163,10 @@ async fn main() -> ExitCode {
         ignore_eos: a.ignore_eos,
     };
     // Unique request ids across invocations (time) and runs (side, round).
-    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() % 1_000_000).unwrap_or(0);
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() % 1_000_000)
+        .unwrap_or(0);
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
     tokio::spawn(async move {
@@ -186,7 +200,8 @@ async fn main() -> ExitCode {
     let mut points_b = Vec::new();
     let mut ab_points = Vec::new();
     let mut all = Vec::new();
-    let mut last_a: Option<(String, Vec<pdmesh_loadtest::client::Record>, Vec<pdmesh_loadtest::sampler::Sample>)> = None;
+    let mut last_a: Option<(String, Vec<pdmesh_loadtest::client::Record>, Vec<pdmesh_loadtest::sampler::Sample>)> =
+        None;
     for (i, &level) in levels.iter().enumerate() {
         let (mut runs_a, mut runs_b) = (Vec::new(), Vec::new());
         for r in 0..rounds {
@@ -234,7 +249,8 @@ async fn main() -> ExitCode {
                     }
                     Mode::Agentic => {
                         eprintln!("{} agentic sessions x {} rounds{tag} ...", a.sessions, a.rounds);
-                        agentic(wl, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop.clone(), i).await
+                        agentic(wl, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop.clone(), i)
+                            .await
                     }
                 };
                 ticker.abort();
@@ -243,7 +259,10 @@ async fn main() -> ExitCode {
                 }
                 let samples = sampler.take();
                 let p = aggregate(level.round() as usize, &records, wall, slo);
-                eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);
+                eprintln!(
+                    "  ok {} errors {} stalled {}; {:.1} output tok/s",
+                    p.ok, p.errors, p.stalled, p.output_tokens_per_s
+                );
                 all.push(serde_json::json!({ "level": level, "side": side, "round": r, "target": wl.addr, "records": records, "metrics_samples": samples }));
                 if *side == "A" {
                     let what = match a.mode {
@@ -253,7 +272,11 @@ async fn main() -> ExitCode {
                     };
                     last_a = Some((format!("{}: {what}", a.label_a), records.clone(), samples.clone()));
                 }
-                if *side == "A" { runs_a.push(p) } else { runs_b.push(p) }
+                if *side == "A" {
+                    runs_a.push(p)
+                } else {
+                    runs_b.push(p)
+                }
             }
         }
         if ab && !runs_a.is_empty() && runs_a.len() == runs_b.len() {
@@ -302,7 +325,11 @@ async fn main() -> ExitCode {
     let mut md = format!("Command: `{}`\n\n", command.join(" "));
     md.push_str(&markdown(&a.target, &points));
     if ab {
-        md.push_str(&markdown(a.target_b.as_deref().unwrap_or(""), &points_b).replacen("# Load test", "\n# Load test", 1));
+        md.push_str(&markdown(a.target_b.as_deref().unwrap_or(""), &points_b).replacen(
+            "# Load test",
+            "\n# Load test",
+            1,
+        ));
         md.push_str(&pdmesh_loadtest::ab::markdown(&a.label_a, &a.label_b, &ab_points));
     }
     for (label, f) in [(&a.label_a, &falling_a), (&a.label_b, &falling_b)] {
@@ -326,7 +353,9 @@ async fn main() -> ExitCode {
         };
         let timeline = last_a.as_ref().map(|(t, r, s)| (t.as_str(), r.as_slice(), s.as_slice()));
         match write_all(prefix, &curves, xdesc, timeline) {
-            Ok(files) => eprintln!("plots: {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")),
+            Ok(files) => {
+                eprintln!("plots: {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "))
+            }
             Err(e) => {
                 eprintln!("error: {e}");
                 return ExitCode::FAILURE;

@@ -18,8 +18,11 @@ static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 
 fn register_font() -> Result<(), String> {
     static DONE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
-    DONE.get_or_init(|| plotters::style::register_font("sans-serif", FontStyle::Normal, FONT).map_err(|_| "the built-in font did not load".to_string()))
-        .clone()
+    DONE.get_or_init(|| {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
+            .map_err(|_| "the built-in font did not load".to_string())
+    })
+    .clone()
 }
 
 /// One target's curve: per load level, the mean over its runs.
@@ -84,7 +87,11 @@ fn max_of(curves: &[Curve], f: fn(&(f64, f64, f64, f64, f64)) -> f64) -> f64 {
     curves.iter().flat_map(|c| c.points.iter().map(f)).filter(|v| v.is_finite()).fold(0.0, f64::max)
 }
 
-fn draw_throughput<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, curves: &[Curve], xdesc: &str) -> Result<(), String> {
+fn draw_throughput<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    curves: &[Curve],
+    xdesc: &str,
+) -> Result<(), String> {
     root.fill(&WHITE).map_err(err)?;
     let ymax = max_of(curves, |p| p.1).max(1.0) * 1.15;
     let mut chart = ChartBuilder::on(root)
@@ -105,11 +112,21 @@ fn draw_throughput<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, curves: &[
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
         chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, col.filled()))).map_err(err)?;
     }
-    chart.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(err)?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
     root.present().map_err(err)
 }
 
-fn draw_latency<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, curves: &[Curve], xdesc: &str) -> Result<(), String> {
+fn draw_latency<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    curves: &[Curve],
+    xdesc: &str,
+) -> Result<(), String> {
     root.fill(&WHITE).map_err(err)?;
     let ymax = max_of(curves, |p| p.3.max(p.4)).max(1.0) * 1.15;
     let mut chart = ChartBuilder::on(root)
@@ -121,7 +138,8 @@ fn draw_latency<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, curves: &[Cur
         .map_err(err)?;
     chart.configure_mesh().x_desc(xdesc).y_desc("milliseconds").max_light_lines(1).draw().map_err(err)?;
     type Pick = fn(&(f64, f64, f64, f64, f64)) -> f64;
-    let series: [(&str, Pick, bool); 3] = [("TTFT p50", |p| p.2, false), ("TTFT p99", |p| p.3, false), ("inter-token p99", |p| p.4, true)];
+    let series: [(&str, Pick, bool); 3] =
+        [("TTFT p50", |p| p.2, false), ("TTFT p99", |p| p.3, false), ("inter-token p99", |p| p.4, true)];
     for (i, c) in curves.iter().enumerate() {
         let col = COLORS[i % COLORS.len()];
         for (name, pick, dashed) in series {
@@ -145,7 +163,13 @@ fn draw_latency<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, curves: &[Cur
             chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, col.filled()))).map_err(err)?;
         }
     }
-    chart.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(err)?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
     root.present().map_err(err)
 }
 
@@ -158,10 +182,16 @@ const GAUGES: &[(&str, &str)] = &[
     ("pdmesh_prefill_running", "prefill running"),
 ];
 
-fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, records: &[Record], samples: &[Sample]) -> Result<(), String> {
+fn draw_timeline<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    records: &[Record],
+    samples: &[Sample],
+) -> Result<(), String> {
     root.fill(&WHITE).map_err(err)?;
     let (top, bottom) = root.split_vertically((root.dim_in_pixel().1 as f64 * 0.62) as u32);
-    let t_end = records.iter().map(|r| r.start_s + r.e2e_s).chain(samples.iter().map(|s| s.t_s)).fold(1.0, f64::max) * 1.02;
+    let t_end =
+        records.iter().map(|r| r.start_s + r.e2e_s).chain(samples.iter().map(|s| s.t_s)).fold(1.0, f64::max) * 1.02;
     let n = records.len().max(1) as f64;
     let mut chart = ChartBuilder::on(&top)
         .caption(title, ("sans-serif", 20))
@@ -170,7 +200,14 @@ fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str,
         .y_label_area_size(60)
         .build_cartesian_2d(0.0..t_end, 0.0..n + 1.0)
         .map_err(err)?;
-    chart.configure_mesh().y_desc("request").x_desc("seconds since the run started").disable_y_mesh().max_light_lines(1).draw().map_err(err)?;
+    chart
+        .configure_mesh()
+        .y_desc("request")
+        .x_desc("seconds since the run started")
+        .disable_y_mesh()
+        .max_light_lines(1)
+        .draw()
+        .map_err(err)?;
     let mut sorted: Vec<&Record> = records.iter().collect();
     sorted.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
     for (i, r) in sorted.iter().enumerate() {
@@ -183,8 +220,15 @@ fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str,
             _ => COLORS[1],
         };
         // Waiting for the first token (grey), then streaming (coloured).
-        chart.draw_series(std::iter::once(PathElement::new(vec![(r.start_s, y), (first, y)], RGBColor(170, 170, 170).stroke_width(2)))).map_err(err)?;
-        chart.draw_series(std::iter::once(PathElement::new(vec![(first, y), (end, y)], done.stroke_width(2)))).map_err(err)?;
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(r.start_s, y), (first, y)],
+                RGBColor(170, 170, 170).stroke_width(2),
+            )))
+            .map_err(err)?;
+        chart
+            .draw_series(std::iter::once(PathElement::new(vec![(first, y), (end, y)], done.stroke_width(2))))
+            .map_err(err)?;
     }
     let mut series: Vec<(&str, Vec<(f64, f64)>)> = Vec::new();
     for (metric, label) in GAUGES {
@@ -218,12 +262,23 @@ fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str,
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
     }
-    load.configure_series_labels().position(SeriesLabelPosition::UpperRight).background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(err)?;
+    load.configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
     root.present().map_err(err)
 }
 
 /// Draw with `f` into `<prefix>-<name>.png` and `.svg`; returns the files.
-fn both(prefix: &Path, name: &str, size: (u32, u32), f: &dyn Fn(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String>, g: &dyn Fn(&DrawingArea<SVGBackend, Shift>) -> Result<(), String>) -> Result<Vec<PathBuf>, String> {
+fn both(
+    prefix: &Path,
+    name: &str,
+    size: (u32, u32),
+    f: &dyn Fn(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String>,
+    g: &dyn Fn(&DrawingArea<SVGBackend, Shift>) -> Result<(), String>,
+) -> Result<Vec<PathBuf>, String> {
     let stem = prefix.file_name().and_then(|s| s.to_str()).unwrap_or("loadtest");
     let png = prefix.with_file_name(format!("{stem}-{name}.png"));
     let svg = prefix.with_file_name(format!("{stem}-{name}.svg"));
@@ -235,16 +290,31 @@ fn both(prefix: &Path, name: &str, size: (u32, u32), f: &dyn Fn(&DrawingArea<Bit
 /// Every plot of a run, written beside `prefix` (e.g. `docs/benchmarks/run`
 /// gives `run-throughput.png`, `run-latency.svg`, ...). `timeline` is one
 /// run's requests and metrics samples, with its title.
-pub fn write_all(prefix: &Path, curves: &[Curve], xdesc: &str, timeline: Option<(&str, &[Record], &[Sample])>) -> Result<Vec<PathBuf>, String> {
+pub fn write_all(
+    prefix: &Path,
+    curves: &[Curve],
+    xdesc: &str,
+    timeline: Option<(&str, &[Record], &[Sample])>,
+) -> Result<Vec<PathBuf>, String> {
     register_font()?;
     let mut files = Vec::new();
     if curves.iter().any(|c| !c.points.is_empty()) {
-        files.extend(both(prefix, "throughput", (900, 560), &|r| draw_throughput(r, curves, xdesc), &|r| draw_throughput(r, curves, xdesc))?);
-        files.extend(both(prefix, "latency", (900, 560), &|r| draw_latency(r, curves, xdesc), &|r| draw_latency(r, curves, xdesc))?);
+        files.extend(both(prefix, "throughput", (900, 560), &|r| draw_throughput(r, curves, xdesc), &|r| {
+            draw_throughput(r, curves, xdesc)
+        })?);
+        files.extend(both(prefix, "latency", (900, 560), &|r| draw_latency(r, curves, xdesc), &|r| {
+            draw_latency(r, curves, xdesc)
+        })?);
     }
     if let Some((title, records, samples)) = timeline {
         if !records.is_empty() {
-            files.extend(both(prefix, "timeline", (1000, 700), &|r| draw_timeline(r, title, records, samples), &|r| draw_timeline(r, title, records, samples))?);
+            files.extend(both(
+                prefix,
+                "timeline",
+                (1000, 700),
+                &|r| draw_timeline(r, title, records, samples),
+                &|r| draw_timeline(r, title, records, samples),
+            )?);
         }
     }
     Ok(files)

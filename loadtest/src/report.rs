@@ -72,7 +72,10 @@ pub fn aggregate(concurrency: usize, records: &[Record], wall_s: f64, slo: Slo) 
         *kinds.entry(k).or_insert(0) += 1;
     }
     let output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
-    let good = ok.iter().filter(|r| r.ttft_s.is_some_and(|t| t <= slo.ttft_s) && tpot(r).is_none_or(|t| t <= slo.tpot_s)).count();
+    let good = ok
+        .iter()
+        .filter(|r| r.ttft_s.is_some_and(|t| t <= slo.ttft_s) && tpot(r).is_none_or(|t| t <= slo.tpot_s))
+        .count();
     let wall = wall_s.max(1e-9);
     Point {
         concurrency,

@@ -18,7 +18,13 @@ pub struct Progress {
     pub stalled: AtomicUsize,
 }
 
-pub static PROGRESS: Progress = Progress { sent: AtomicUsize::new(0), done: AtomicUsize::new(0), ok: AtomicUsize::new(0), errors: AtomicUsize::new(0), stalled: AtomicUsize::new(0) };
+pub static PROGRESS: Progress = Progress {
+    sent: AtomicUsize::new(0),
+    done: AtomicUsize::new(0),
+    ok: AtomicUsize::new(0),
+    errors: AtomicUsize::new(0),
+    stalled: AtomicUsize::new(0),
+};
 
 impl Progress {
     /// `done/total ok errors stalled in-flight`, for one status line.
@@ -94,7 +100,14 @@ impl Workload {
 }
 
 /// Run one closed-loop point. `stop` ends it early (no new requests).
-pub async fn closed_loop(w: &Workload, concurrency: usize, requests: usize, max_time: Duration, stop: Arc<AtomicBool>, point: usize) -> (Vec<Record>, f64) {
+pub async fn closed_loop(
+    w: &Workload,
+    concurrency: usize,
+    requests: usize,
+    max_time: Duration,
+    stop: Arc<AtomicBool>,
+    point: usize,
+) -> (Vec<Record>, f64) {
     let t_run = Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
     // Prompts drawn up front from the seed: the same run sends the same prompts.
@@ -113,7 +126,14 @@ pub async fn closed_loop(w: &Workload, concurrency: usize, requests: usize, max_
                 if i >= prompts.len() {
                     return out;
                 }
-                let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompts[i]), request_id: format!("{}-{point}-{i}", w.id_prefix), stall: w.stall, timeout: w.timeout };
+                let req = Request {
+                    addr: &w.addr,
+                    path: "/v1/chat/completions",
+                    body: w.body(prompts[i]),
+                    request_id: format!("{}-{point}-{i}", w.id_prefix),
+                    stall: w.stall,
+                    timeout: w.timeout,
+                };
                 out.push(send(req, t_run).await);
             }
         }));
@@ -130,7 +150,15 @@ pub async fn closed_loop(w: &Workload, concurrency: usize, requests: usize, max_
 /// Open loop: `requests` arrivals at Poisson times of mean rate `rate`
 /// per second (seeded), each sent when it arrives whatever is in flight (at
 /// most `max_in_flight` at once, so the load stays bounded).
-pub async fn poisson(w: &Workload, rate: f64, requests: usize, max_in_flight: usize, max_time: Duration, stop: Arc<AtomicBool>, point: usize) -> (Vec<Record>, f64) {
+pub async fn poisson(
+    w: &Workload,
+    rate: f64,
+    requests: usize,
+    max_in_flight: usize,
+    max_time: Duration,
+    stop: Arc<AtomicBool>,
+    point: usize,
+) -> (Vec<Record>, f64) {
     let t_run = Instant::now();
     let mut rng = Rng::new(w.seed ^ (point as u64) << 32 ^ 0x5050);
     let gate = Arc::new(tokio::sync::Semaphore::new(max_in_flight.max(1)));
@@ -149,7 +177,14 @@ pub async fn poisson(w: &Workload, rate: f64, requests: usize, max_in_flight: us
         let w = w.clone();
         let prompt = CORPUS[rng.below(CORPUS.len())];
         tasks.push(tokio::spawn(async move {
-            let req = Request { addr: &w.addr, path: "/v1/chat/completions", body: w.body(prompt), request_id: format!("{}-{point}-{i}", w.id_prefix), stall: w.stall, timeout: w.timeout };
+            let req = Request {
+                addr: &w.addr,
+                path: "/v1/chat/completions",
+                body: w.body(prompt),
+                request_id: format!("{}-{point}-{i}", w.id_prefix),
+                stall: w.stall,
+                timeout: w.timeout,
+            };
             let r = send(req, t_run).await;
             drop(permit);
             r
@@ -168,7 +203,14 @@ pub async fn poisson(w: &Workload, rate: f64, requests: usize, max_in_flight: us
 /// every round re-sending the whole history plus the previous answer and a
 /// synthetic tool result, with `think` between rounds. A failed round ends
 /// its session (the rest of its rounds are not sent).
-pub async fn agentic(w: &Workload, sessions: usize, rounds: usize, think: Duration, stop: Arc<AtomicBool>, point: usize) -> (Vec<Record>, f64) {
+pub async fn agentic(
+    w: &Workload,
+    sessions: usize,
+    rounds: usize,
+    think: Duration,
+    stop: Arc<AtomicBool>,
+    point: usize,
+) -> (Vec<Record>, f64) {
     let t_run = Instant::now();
     let mut tasks = Vec::new();
     for s in 0..sessions {

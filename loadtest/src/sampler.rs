@@ -54,7 +54,11 @@ impl Sampler {
                 for a in &addrs {
                     if let Some(text) = get(a) {
                         let values = load_gauges(&text);
-                        out.lock().unwrap_or_else(|e| e.into_inner()).push(Sample { t_s: t_run.elapsed().as_secs_f64(), addr: a.clone(), values });
+                        out.lock().unwrap_or_else(|e| e.into_inner()).push(Sample {
+                            t_s: t_run.elapsed().as_secs_f64(),
+                            addr: a.clone(),
+                            values,
+                        });
                     }
                 }
                 std::thread::sleep(every);
@@ -77,9 +81,18 @@ impl Drop for Sampler {
 
 /// The HTTP (admin) addresses of every instance `meshctl status --json` lists.
 pub fn from_meshctl(meshctl: &str, registry_dir: &str) -> Result<Vec<String>, String> {
-    let out = std::process::Command::new(meshctl).args(["status", "--json", "--registry-dir", registry_dir]).output().map_err(|e| format!("{meshctl}: {e}"))?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("meshctl status --json: {e}"))?;
-    Ok(v["instances"].as_array().into_iter().flatten().filter_map(|i| i["http_addr"].as_str().map(String::from)).collect())
+    let out = std::process::Command::new(meshctl)
+        .args(["status", "--json", "--registry-dir", registry_dir])
+        .output()
+        .map_err(|e| format!("{meshctl}: {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("meshctl status --json: {e}"))?;
+    Ok(v["instances"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i["http_addr"].as_str().map(String::from))
+        .collect())
 }
 
 #[cfg(test)]

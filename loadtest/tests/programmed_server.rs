@@ -52,7 +52,8 @@ async fn chat(State(p): State<Arc<Program>>, body: Bytes) -> Response {
         let u = serde_json::json!({ "choices": [], "usage": { "prompt_tokens": 5, "completion_tokens": p.tokens } });
         let _ = tx.send(Ok(Bytes::from(format!("data: {u}\n\ndata: [DONE]\n\n")))).await;
     });
-    ([("content-type", "text/event-stream")], Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))).into_response()
+    ([("content-type", "text/event-stream")], Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        .into_response()
 }
 
 async fn server(p: Program) -> String {
@@ -68,7 +69,17 @@ async fn server_arc(p: Arc<Program>) -> String {
 }
 
 fn workload(addr: String, stall: Duration) -> Workload {
-    Workload { addr, model: "m".into(), max_tokens: 16, seed: 7, stall, timeout: Duration::from_secs(30), temperature: 0.0, id_prefix: "lt-7".into(), ignore_eos: false }
+    Workload {
+        addr,
+        model: "m".into(),
+        max_tokens: 16,
+        seed: 7,
+        stall,
+        timeout: Duration::from_secs(30),
+        temperature: 0.0,
+        id_prefix: "lt-7".into(),
+        ignore_eos: false,
+    }
 }
 
 fn stop() -> Arc<std::sync::atomic::AtomicBool> {
@@ -78,7 +89,8 @@ fn stop() -> Arc<std::sync::atomic::AtomicBool> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reports_what_the_server_was_programmed_to_do() {
     let (ttft, interval, tokens) = (Duration::from_millis(200), Duration::from_millis(20), 16);
-    let addr = server(Program { ttft, interval, tokens, stall_after: None, status: 200, seen: Default::default() }).await;
+    let addr =
+        server(Program { ttft, interval, tokens, stall_after: None, status: 200, seen: Default::default() }).await;
     let w = workload(addr, Duration::from_secs(5));
     let (records, wall) = closed_loop(&w, 4, 12, Duration::from_secs(60), stop(), 0).await;
     let p = aggregate(4, &records, wall, Slo { ttft_s: 0.5, tpot_s: 0.05 });
@@ -93,7 +105,11 @@ async fn reports_what_the_server_was_programmed_to_do() {
     assert!((tpot.p50 - 0.020).abs() < 0.010, "TPOT p50 {}", tpot.p50);
     // Each client does 3 requests of ~0.2 + 15 x 0.02 = 0.5 s: about 1.5 s of wall, 4 x 16 tokens per 0.5 s.
     let expected_tps = 4.0 * tokens as f64 / 0.5;
-    assert!(p.output_tokens_per_s > expected_tps * 0.75 && p.output_tokens_per_s <= expected_tps * 1.05, "{} tok/s vs {expected_tps}", p.output_tokens_per_s);
+    assert!(
+        p.output_tokens_per_s > expected_tps * 0.75 && p.output_tokens_per_s <= expected_tps * 1.05,
+        "{} tok/s vs {expected_tps}",
+        p.output_tokens_per_s
+    );
     // All met the SLO.
     assert!((p.goodput_rps - p.requests_per_s).abs() < 1e-9);
     // A tighter TTFT SLO than the server's: no goodput.
@@ -103,7 +119,15 @@ async fn reports_what_the_server_was_programmed_to_do() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_stops_mid_stream_gives_stalled_requests_not_a_hang() {
-    let addr = server(Program { ttft: Duration::from_millis(50), interval: Duration::from_millis(10), tokens: 16, stall_after: Some(5), status: 200, seen: Default::default() }).await;
+    let addr = server(Program {
+        ttft: Duration::from_millis(50),
+        interval: Duration::from_millis(10),
+        tokens: 16,
+        stall_after: Some(5),
+        status: 200,
+        seen: Default::default(),
+    })
+    .await;
     let w = workload(addr, Duration::from_millis(500));
     let t0 = Instant::now();
     let (records, wall) = closed_loop(&w, 2, 4, Duration::from_secs(60), stop(), 0).await;
@@ -117,15 +141,25 @@ async fn a_server_that_stops_mid_stream_gives_stalled_requests_not_a_hang() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_and_dead_targets_are_errors_by_kind() {
-    let addr = server(Program { ttft: Duration::ZERO, interval: Duration::ZERO, tokens: 1, stall_after: None, status: 429, seen: Default::default() }).await;
-    let (records, wall) = closed_loop(&workload(addr, Duration::from_secs(5)), 2, 4, Duration::from_secs(60), stop(), 0).await;
+    let addr = server(Program {
+        ttft: Duration::ZERO,
+        interval: Duration::ZERO,
+        tokens: 1,
+        stall_after: None,
+        status: 429,
+        seen: Default::default(),
+    })
+    .await;
+    let (records, wall) =
+        closed_loop(&workload(addr, Duration::from_secs(5)), 2, 4, Duration::from_secs(60), stop(), 0).await;
     let p = aggregate(2, &records, wall, Slo { ttft_s: 1.0, tpot_s: 1.0 });
     assert_eq!(p.errors, 4);
     assert_eq!(p.error_kinds.get("http_429"), Some(&4));
     assert!(matches!(&records[0].outcome, Outcome::Http { status: 429, message } if message == "programmed refusal"));
     // Nothing listens: transport errors, quickly.
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-    let (records, wall) = closed_loop(&workload(dead, Duration::from_secs(5)), 2, 2, Duration::from_secs(60), stop(), 0).await;
+    let (records, wall) =
+        closed_loop(&workload(dead, Duration::from_secs(5)), 2, 2, Duration::from_secs(60), stop(), 0).await;
     let p = aggregate(2, &records, wall, Slo { ttft_s: 1.0, tpot_s: 1.0 });
     assert_eq!(p.error_kinds.get("transport"), Some(&2));
 }
@@ -133,9 +167,17 @@ async fn refusals_and_dead_targets_are_errors_by_kind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poisson_arrivals_follow_the_rate_whatever_is_in_flight() {
     // Requests last 300 ms; arrivals at 40/s must not wait for them.
-    let p = Arc::new(Program { ttft: Duration::from_millis(100), interval: Duration::from_millis(50), tokens: 5, stall_after: None, status: 200, seen: Default::default() });
+    let p = Arc::new(Program {
+        ttft: Duration::from_millis(100),
+        interval: Duration::from_millis(50),
+        tokens: 5,
+        stall_after: None,
+        status: 200,
+        seen: Default::default(),
+    });
     let addr = server_arc(p.clone()).await;
-    let (records, wall) = poisson(&workload(addr, Duration::from_secs(5)), 40.0, 80, 256, Duration::from_secs(60), stop(), 0).await;
+    let (records, wall) =
+        poisson(&workload(addr, Duration::from_secs(5)), 40.0, 80, 256, Duration::from_secs(60), stop(), 0).await;
     assert_eq!(records.len(), 80);
     assert!(records.iter().all(|r| r.outcome == Outcome::Ok));
     let seen = p.seen.lock().unwrap().clone();
@@ -152,10 +194,18 @@ async fn poisson_arrivals_follow_the_rate_whatever_is_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agentic_sessions_resend_the_growing_history_with_think_time() {
-    let p = Arc::new(Program { ttft: Duration::from_millis(20), interval: Duration::from_millis(5), tokens: 4, stall_after: None, status: 200, seen: Default::default() });
+    let p = Arc::new(Program {
+        ttft: Duration::from_millis(20),
+        interval: Duration::from_millis(5),
+        tokens: 4,
+        stall_after: None,
+        status: 200,
+        seen: Default::default(),
+    });
     let addr = server_arc(p.clone()).await;
     let t0 = Instant::now();
-    let (records, _) = agentic(&workload(addr, Duration::from_secs(5)), 2, 3, Duration::from_millis(200), stop(), 0).await;
+    let (records, _) =
+        agentic(&workload(addr, Duration::from_secs(5)), 2, 3, Duration::from_millis(200), stop(), 0).await;
     assert_eq!(records.len(), 6);
     assert!(records.iter().all(|r| r.outcome == Outcome::Ok && r.text == "tok tok tok tok "));
     // Rounds carry system + user, then + answer + tool result each round: 2, 4, 6 messages.
@@ -170,13 +220,31 @@ async fn agentic_sessions_resend_the_growing_history_with_think_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ab_reports_the_ratio_of_two_servers_run_interleaved() {
-    let fast = server(Program { ttft: Duration::from_millis(50), interval: Duration::from_millis(10), tokens: 10, stall_after: None, status: 200, seen: Default::default() }).await;
-    let slow = server(Program { ttft: Duration::from_millis(100), interval: Duration::from_millis(20), tokens: 10, stall_after: None, status: 200, seen: Default::default() }).await;
+    let fast = server(Program {
+        ttft: Duration::from_millis(50),
+        interval: Duration::from_millis(10),
+        tokens: 10,
+        stall_after: None,
+        status: 200,
+        seen: Default::default(),
+    })
+    .await;
+    let slow = server(Program {
+        ttft: Duration::from_millis(100),
+        interval: Duration::from_millis(20),
+        tokens: 10,
+        stall_after: None,
+        status: 200,
+        seen: Default::default(),
+    })
+    .await;
     let slo = Slo { ttft_s: 1.0, tpot_s: 1.0 };
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         for (addr, out) in [(&fast, &mut a), (&slow, &mut b)] {
-            let (records, wall) = closed_loop(&workload(addr.clone(), Duration::from_secs(5)), 2, 6, Duration::from_secs(60), stop(), 0).await;
+            let (records, wall) =
+                closed_loop(&workload(addr.clone(), Duration::from_secs(5)), 2, 6, Duration::from_secs(60), stop(), 0)
+                    .await;
             out.push(aggregate(2, &records, wall, slo));
         }
     }
@@ -190,8 +258,24 @@ async fn ab_reports_the_ratio_of_two_servers_run_interleaved() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_writes_json_markdown_and_plots_for_an_ab_sweep() {
-    let fast = server(Program { ttft: Duration::from_millis(30), interval: Duration::from_millis(5), tokens: 8, stall_after: None, status: 200, seen: Default::default() }).await;
-    let slow = server(Program { ttft: Duration::from_millis(60), interval: Duration::from_millis(10), tokens: 8, stall_after: None, status: 200, seen: Default::default() }).await;
+    let fast = server(Program {
+        ttft: Duration::from_millis(30),
+        interval: Duration::from_millis(5),
+        tokens: 8,
+        stall_after: None,
+        status: 200,
+        seen: Default::default(),
+    })
+    .await;
+    let slow = server(Program {
+        ttft: Duration::from_millis(60),
+        interval: Duration::from_millis(10),
+        tokens: 8,
+        stall_after: None,
+        status: 200,
+        seen: Default::default(),
+    })
+    .await;
     let dir = std::env::temp_dir().join(format!("pdmesh-loadtest-cli-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

@@ -5,11 +5,8 @@ use prost::Message;
 #[test]
 fn descriptor_set_lists_every_service() {
     let fds = prost_types::FileDescriptorSet::decode(pdmesh_proto::FILE_DESCRIPTOR_SET).unwrap();
-    let mut services: Vec<String> = fds
-        .file
-        .iter()
-        .flat_map(|f| f.service.iter().map(move |s| format!("{}.{}", f.package(), s.name())))
-        .collect();
+    let mut services: Vec<String> =
+        fds.file.iter().flat_map(|f| f.service.iter().map(move |s| format!("{}.{}", f.package(), s.name()))).collect();
     services.sort();
     assert_eq!(
         services,

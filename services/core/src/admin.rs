@@ -78,7 +78,11 @@ impl AdminState {
 }
 
 /// Serve the admin endpoints on `listener` until `shutdown` resolves.
-pub async fn serve_admin(listener: TcpListener, state: AdminState, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve_admin(
+    listener: TcpListener,
+    state: AdminState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let app = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))

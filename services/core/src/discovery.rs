@@ -120,7 +120,8 @@ pub struct FileRegistry {
 }
 
 fn check_name(s: &str) -> Result<(), DiscoveryError> {
-    let ok = !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && s != "." && s != "..";
+    let ok =
+        !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && s != "." && s != "..";
     if ok {
         Ok(())
     } else {

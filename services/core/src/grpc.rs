@@ -9,7 +9,10 @@ use tonic::transport::{Channel, Endpoint};
 /// Reflection for `service` (a full name such as `pdmesh.decode.v1.Decode`).
 pub fn reflection(
     service: &'static str,
-) -> Result<tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection>, String> {
+) -> Result<
+    tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection>,
+    String,
+> {
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
         .with_service_name(service)
@@ -69,7 +72,10 @@ mod tests {
 
 /// A service's routes plus `grpc.health.v1` (reporting NOT_SERVING for
 /// `service` until told otherwise) and reflection.
-pub async fn standard_routes(routes: tonic::service::Routes, service: &'static str) -> Result<(tonic::service::Routes, Health), String> {
+pub async fn standard_routes(
+    routes: tonic::service::Routes,
+    service: &'static str,
+) -> Result<(tonic::service::Routes, Health), String> {
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     let health = Health { reporter, service };
     health.set(false).await;
@@ -101,7 +107,11 @@ const CONN_WINDOW: u32 = 16 << 20;
 /// Serve `routes` on `listener` until `shutdown` resolves. Accepted
 /// connections get TCP_NODELAY: without it, small messages (one token) wait
 /// for the peer's delayed ACK, tens of milliseconds per hop.
-pub async fn serve_routes(routes: tonic::service::Routes, listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<(), tonic::transport::Error> {
+pub async fn serve_routes(
+    routes: tonic::service::Routes,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
     use tokio_stream::StreamExt;
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
         if let Ok(s) = &s {

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Latency buckets in seconds, from 1 ms to 5 min.
-pub const LATENCY_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+pub const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
 
 /// A histogram with fixed upper bounds (cumulative on output).
 pub struct Histogram {
@@ -119,7 +120,8 @@ impl Outcomes {
     }
 
     pub fn render(&self, t: &mut Text, name: &str, help: &str) {
-        let v: Vec<(&str, f64)> = self.names.iter().zip(&self.counts).map(|(n, c)| (*n, c.load(Ordering::Relaxed) as f64)).collect();
+        let v: Vec<(&str, f64)> =
+            self.names.iter().zip(&self.counts).map(|(n, c)| (*n, c.load(Ordering::Relaxed) as f64)).collect();
         t.labelled(name, "counter", help, "outcome", &v);
     }
 }
@@ -141,7 +143,17 @@ pub fn outcome_of(code: tonic::Code) -> &'static str {
 }
 
 /// Every label [`outcome_of`] produces, for [`Outcomes::new`].
-pub const GRPC_OUTCOMES: &[&str] = &["ok", "invalid_argument", "resource_exhausted", "deadline_exceeded", "cancelled", "unavailable", "not_found", "failed_precondition", "internal"];
+pub const GRPC_OUTCOMES: &[&str] = &[
+    "ok",
+    "invalid_argument",
+    "resource_exhausted",
+    "deadline_exceeded",
+    "cancelled",
+    "unavailable",
+    "not_found",
+    "failed_precondition",
+    "internal",
+];
 
 #[cfg(test)]
 mod tests {

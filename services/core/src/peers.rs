@@ -30,7 +30,13 @@ impl Peers {
         let list = addrs
             .iter()
             .enumerate()
-            .map(|(i, a)| Instance { service: service.into(), id: format!("{service}-{i}"), grpc_addr: a.clone(), http_addr: None, meta: Default::default() })
+            .map(|(i, a)| Instance {
+                service: service.into(),
+                id: format!("{service}-{i}"),
+                grpc_addr: a.clone(),
+                http_addr: None,
+                meta: Default::default(),
+            })
             .collect();
         let (tx, rx) = tokio::sync::watch::channel(list);
         Peers { service: service.into(), rx, _fixed: Some(Arc::new(tx)), channels: Default::default() }
@@ -48,7 +54,10 @@ impl Peers {
             return Ok(Peers::fixed(service, addrs));
         }
         match &common.registry_dir {
-            Some(dir) => Ok(Peers::discovered(Arc::new(FileRegistry::new(dir, Duration::from_secs(common.registry_ttl_s.max(1)))), service)),
+            Some(dir) => Ok(Peers::discovered(
+                Arc::new(FileRegistry::new(dir, Duration::from_secs(common.registry_ttl_s.max(1)))),
+                service,
+            )),
             None => Err(format!("no address for the {service} service: give --{service}-addr or --registry-dir")),
         }
     }

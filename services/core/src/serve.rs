@@ -67,7 +67,12 @@ impl Admin {
 
     /// Mark ready and announce `service` at `grpc_addr` in the registry (if
     /// `--registry-dir` was given). The returned guard withdraws it.
-    pub async fn announce(&self, service: &str, common: &CommonArgs, grpc_addr: SocketAddr) -> Result<Announced, ServeError> {
+    pub async fn announce(
+        &self,
+        service: &str,
+        common: &CommonArgs,
+        grpc_addr: SocketAddr,
+    ) -> Result<Announced, ServeError> {
         self.state.set_ready(true);
         let registration = match &common.registry_dir {
             Some(dir) => {

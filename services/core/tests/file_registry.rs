@@ -6,7 +6,13 @@ use std::time::Duration;
 use pdmesh_core::discovery::{watch, Discovery, FileRegistry, Instance};
 
 fn inst(service: &str, id: &str, port: u16) -> Instance {
-    Instance { service: service.into(), id: id.into(), grpc_addr: format!("127.0.0.1:{port}"), http_addr: None, meta: Default::default() }
+    Instance {
+        service: service.into(),
+        id: id.into(),
+        grpc_addr: format!("127.0.0.1:{port}"),
+        http_addr: None,
+        meta: Default::default(),
+    }
 }
 
 fn tmpdir(name: &str) -> std::path::PathBuf {

@@ -14,8 +14,8 @@ use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
 use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as pb;
-use tokio::sync::oneshot;
 use pdmesh_worker::KernelSpans;
+use tokio::sync::oneshot;
 use tonic::Status;
 
 /// Where a sequence's events go: the gRPC response stream.
@@ -76,7 +76,16 @@ impl Batcher {
         std::thread::Builder::new()
             .name("decode-loop".into())
             .spawn(move || {
-                Loop { engine, max_batch: max_batch.max(1), kernel_spans, stats: s, ready: VecDeque::new(), running: Vec::new(), reserved: Default::default() }.run(rx)
+                Loop {
+                    engine,
+                    max_batch: max_batch.max(1),
+                    kernel_spans,
+                    stats: s,
+                    ready: VecDeque::new(),
+                    running: Vec::new(),
+                    reserved: Default::default(),
+                }
+                .run(rx)
             })
             .expect("spawn decode loop");
         Batcher { tx, stats }
@@ -128,7 +137,8 @@ impl Drop for Seq {
         self.span.record("decode.steps", self.steps as i64);
         self.span.record("decode.tokens", self.n_generated as i64);
         self.span.record("decode.batch_max", self.batch_max as i64);
-        self.span.record("decode.batch_mean", if self.steps > 0 { self.batch_sum as f64 / self.steps as f64 } else { 0.0 });
+        self.span
+            .record("decode.batch_mean", if self.steps > 0 { self.batch_sum as f64 / self.steps as f64 } else { 0.0 });
     }
 }
 
@@ -227,7 +237,17 @@ impl Loop {
                             decode.batch_max = tracing::field::Empty,
                             decode.batch_mean = tracing::field::Empty,
                         );
-                        let mut s = Seq { id: seq, events, n_prompt, n_generated: 0, span, _server: server, steps: 0, batch_sum: 0, batch_max: 0 };
+                        let mut s = Seq {
+                            id: seq,
+                            events,
+                            n_prompt,
+                            n_generated: 0,
+                            span,
+                            _server: server,
+                            steps: 0,
+                            batch_sum: 0,
+                            batch_max: 0,
+                        };
                         if self.emit(&mut s, &ev) {
                             self.ready.push_back(s);
                         }
@@ -255,11 +275,18 @@ impl Loop {
     fn emit(&mut self, s: &mut Seq, ev: &TokenEvent) -> bool {
         s.n_generated += 1;
         self.stats.tokens.fetch_add(1, Ordering::Relaxed);
-        let tok = pb::GenerateResponse { event: Some(pb::generate_response::Event::Tokens(pb::Tokens { ids: vec![ev.token] })) };
+        let tok = pb::GenerateResponse {
+            event: Some(pb::generate_response::Event::Tokens(pb::Tokens { ids: vec![ev.token] })),
+        };
         let mut alive = s.events.send(Ok(tok)).is_ok();
         if let Some(f) = ev.finish {
             let usage = common::Usage { prompt_tokens: s.n_prompt, completion_tokens: s.n_generated };
-            let fin = pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(pb::Finished { reason: reason(f), usage: Some(usage) })) };
+            let fin = pb::GenerateResponse {
+                event: Some(pb::generate_response::Event::Finished(pb::Finished {
+                    reason: reason(f),
+                    usage: Some(usage),
+                })),
+            };
             alive = s.events.send(Ok(fin)).is_ok();
             let _ = self.engine.release(s.id);
             self.stats.outcomes.inc(if alive { "ok" } else { "cancelled" });

@@ -38,22 +38,38 @@ fn render(st: &Stats) -> String {
 }
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.
-pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
     let nixl_lib = pdmesh_worker::transport::choose(&config.worker.transport).map_err(ServeError::Setup)?;
     let transport = if nixl_lib.is_some() { "nixl" } else { "tcp" };
-    let (admin, engine, stats_slot) = pdmesh_worker::boot("decode", serde_json::to_value(&config).unwrap_or_default(), &config.worker.common, &config.worker.engine, transport, render).await?;
+    let (admin, engine, stats_slot) = pdmesh_worker::boot(
+        "decode",
+        serde_json::to_value(&config).unwrap_or_default(),
+        &config.worker.common,
+        &config.worker.engine,
+        transport,
+        render,
+    )
+    .await?;
     let layout = engine.kv.layout;
-    let worker_id = config.worker.common.instance_id.clone().unwrap_or_else(|| format!("decode-{}", std::process::id()));
+    let worker_id =
+        config.worker.common.instance_id.clone().unwrap_or_else(|| format!("decode-{}", std::process::id()));
     let nixl = match nixl_lib {
         Some(_) => {
             let (addr, len) = engine.kv.arena();
-            Some(std::sync::Arc::new(pdmesh_worker::transport::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?))
+            Some(std::sync::Arc::new(
+                pdmesh_worker::transport::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?,
+            ))
         }
         None => None,
     };
     let batcher = Batcher::start(engine, config.worker.engine.max_batch, config.worker.engine.trace_kernel_steps);
     let _ = stats_slot.set(batcher.stats.clone());
-    let broker = Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
+    let broker =
+        Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;
     let mut agent = kpb::Agent {
         worker_id: worker_id.clone(),
@@ -72,11 +88,34 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         agent.arena_addr = n.arena_addr as u64;
         agent.arena_len = n.arena_len as u64;
         let st = batcher.stats.clone();
-        pdmesh_worker::transport::spawn_progress(n.clone(), move || st.awaiting_kv.load(Ordering::Relaxed) > 0, stop_progress.clone());
+        pdmesh_worker::transport::spawn_progress(
+            n.clone(),
+            move || st.awaiting_kv.load(Ordering::Relaxed) > 0,
+            stop_progress.clone(),
+        );
     }
-    let svc = server::Service { batcher, broker: broker.clone(), worker_id, layout, lease_ms: config.lease_ms, pending: Default::default() };
-    let routes = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc).max_decoding_message_size(64 << 20));
-    let r = pdmesh_worker::serve_worker("decode", "pdmesh.decode.v1.Decode", routes, &config.worker.common, admin, listener, shutdown, agent, broker).await;
+    let svc = server::Service {
+        batcher,
+        broker: broker.clone(),
+        worker_id,
+        layout,
+        lease_ms: config.lease_ms,
+        pending: Default::default(),
+    };
+    let routes =
+        tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc).max_decoding_message_size(64 << 20));
+    let r = pdmesh_worker::serve_worker(
+        "decode",
+        "pdmesh.decode.v1.Decode",
+        routes,
+        &config.worker.common,
+        admin,
+        listener,
+        shutdown,
+        agent,
+        broker,
+    )
+    .await;
     stop_progress.store(true, Ordering::Relaxed);
     drop(nixl);
     r

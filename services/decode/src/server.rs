@@ -124,19 +124,36 @@ impl Service {
             }
             p.insert(r.request_id.clone(), seq);
         }
-        let mut res = Reservation { batcher: self.batcher.clone(), pending: self.pending.clone(), request_id: r.request_id.clone(), seq, started: false, claimed: false };
+        let mut res = Reservation {
+            batcher: self.batcher.clone(),
+            pending: self.pending.clone(),
+            request_id: r.request_id.clone(),
+            seq,
+            started: false,
+            claimed: false,
+        };
         let n_blocks = blocks.len() as u32;
         tracing::Span::current().record("kv_blocks_reserved", n_blocks as i64);
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
-        let open = kpb::OpenTicketRequest { request_id: r.request_id.clone(), dest_worker: self.worker_id.clone(), dest_blocks: blocks, n_tokens: n_prompt, lease_ms: self.lease_ms };
+        let open = kpb::OpenTicketRequest {
+            request_id: r.request_id.clone(),
+            dest_worker: self.worker_id.clone(),
+            dest_blocks: blocks,
+            n_tokens: n_prompt,
+            lease_ms: self.lease_ms,
+        };
         let (open, span) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/OpenTicket", open);
         let opened = broker.open_ticket(open).instrument(span.clone()).await;
-        telemetry::finish(&span, opened).map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
+        telemetry::finish(&span, opened)
+            .map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
         // The watch (and its span) lasts until the ticket ends.
         let await_kv = tracing::info_span!(parent: server, "await_kv");
         let (watch, wspan) = {
             let _g = await_kv.enter();
-            telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/WatchTicket", kpb::WatchTicketRequest { request_id: r.request_id.clone() })
+            telemetry::client_request(
+                "pdmesh.kvbroker.v1.KvBroker/WatchTicket",
+                kpb::WatchTicketRequest { request_id: r.request_id.clone() },
+            )
         };
         let (await_kv, wspan) = (telemetry::Held(await_kv), telemetry::Held(wspan));
         let mut watch = match broker.watch_ticket(watch).instrument(wspan.span().clone()).await {
@@ -148,7 +165,9 @@ impl Service {
             }
         };
         let (tx, rx): (Events, _) = tokio::sync::mpsc::unbounded_channel();
-        let _ = tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Admitted(pb::Admitted { kv_blocks: n_blocks })) }));
+        let _ = tx.send(Ok(pb::GenerateResponse {
+            event: Some(pb::generate_response::Event::Admitted(pb::Admitted { kv_blocks: n_blocks })),
+        }));
         let batcher = self.batcher.clone();
         let request_id = r.request_id;
         let server = server.clone();
@@ -245,9 +264,14 @@ impl pb::decode_server::Decode for Service {
 impl Service {
     async fn write_kv_inner(&self, mut s: Streaming<pb::KvChunk>) -> Result<pb::WriteKvResponse, Status> {
         let first = s.message().await?.ok_or_else(|| Status::invalid_argument("empty KV stream"))?;
-        let layout = pdmesh_worker::layout_from_wire(first.layout.as_ref().ok_or_else(|| Status::invalid_argument("first chunk needs the layout"))?)?;
+        let layout = pdmesh_worker::layout_from_wire(
+            first.layout.as_ref().ok_or_else(|| Status::invalid_argument("first chunk needs the layout"))?,
+        )?;
         if layout != self.layout {
-            return Err(Status::failed_precondition(format!("KV layout {layout:?} does not match this worker's {:?}", self.layout)));
+            return Err(Status::failed_precondition(format!(
+                "KV layout {layout:?} does not match this worker's {:?}",
+                self.layout
+            )));
         }
         let seq = *self
             .pending
@@ -261,7 +285,9 @@ impl Service {
         bytes.extend_from_slice(&first.data);
         while let Some(c) = s.message().await? {
             if bytes.len() + c.data.len() > expected {
-                return Err(Status::invalid_argument(format!("more than the {expected} bytes {n_tokens} positions take")));
+                return Err(Status::invalid_argument(format!(
+                    "more than the {expected} bytes {n_tokens} positions take"
+                )));
             }
             bytes.extend_from_slice(&c.data);
         }

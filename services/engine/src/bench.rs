@@ -37,7 +37,9 @@ pub struct BenchReport {
 pub fn peak_rss_mb() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
@@ -61,7 +63,13 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(engine: &mut Engine, tok: &Tokenizer, prefill_len: usize, batches: &[usize], steps: usize) -> Result<BenchReport> {
+pub fn run(
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    prefill_len: usize,
+    batches: &[usize],
+    steps: usize,
+) -> Result<BenchReport> {
     let params = SamplingParams { max_tokens: steps + 2, ignore_eos: true, ..Default::default() };
     // Prefill: one prompt of `prefill_len` tokens, median of 3 (after a warm-up).
     let prompt = prompt_tokens(tok, prefill_len)?;
@@ -99,7 +107,12 @@ pub fn run(engine: &mut Engine, tok: &Tokenizer, prefill_len: usize, batches: &[
         for id in ids {
             engine.release(id)?;
         }
-        decode.push(DecodePoint { batch: b, steps, tokens_per_s: (b * steps) as f64 / dt, ms_per_step: dt * 1000.0 / steps as f64 });
+        decode.push(DecodePoint {
+            batch: b,
+            steps,
+            tokens_per_s: (b * steps) as f64 / dt,
+            ms_per_step: dt * 1000.0 / steps as f64,
+        });
     }
     Ok(BenchReport {
         backend: engine.model.backend.name(),

@@ -33,7 +33,9 @@ impl ModelConfig {
         let n_heads = g.get_u64(&k("attention.head_count"))? as usize;
         let n_kv_heads = g.get_u64(&k("attention.head_count_kv")).unwrap_or(n_heads as u64) as usize;
         if n_heads == 0 || n_embd % n_heads != 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-            return Err(EngineError::Unsupported(format!("{n_heads} heads / {n_kv_heads} KV heads over width {n_embd}")));
+            return Err(EngineError::Unsupported(format!(
+                "{n_heads} heads / {n_kv_heads} KV heads over width {n_embd}"
+            )));
         }
         let head_dim = n_embd / n_heads;
         let vocab_size = match g.get_u64(&k("vocab_size")) {

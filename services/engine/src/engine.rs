@@ -80,10 +80,17 @@ pub struct Engine {
 impl Engine {
     pub fn new(model: Model, options: EngineOptions) -> Result<Engine> {
         if options.block_size == 0 || options.kv_blocks == 0 || options.prefill_chunk == 0 {
-            return Err(EngineError::InvalidArgument("block_size, kv_blocks and prefill_chunk must be positive".into()));
+            return Err(EngineError::InvalidArgument(
+                "block_size, kv_blocks and prefill_chunk must be positive".into(),
+            ));
         }
         let c = &model.config;
-        let layout = KvLayout { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size: options.block_size };
+        let layout = KvLayout {
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            block_size: options.block_size,
+        };
         Ok(Engine {
             kv: KvCache::new(layout, options.kv_blocks),
             pool: Pool::new(options.threads),
@@ -119,7 +126,12 @@ impl Engine {
         let needed = prompt.len() + params.max_tokens - 1;
         let context = self.model.config.context_length;
         if needed > context {
-            return Err(EngineError::PromptTooLong { len: prompt.len(), max_tokens: params.max_tokens, needed, context });
+            return Err(EngineError::PromptTooLong {
+                len: prompt.len(),
+                max_tokens: params.max_tokens,
+                needed,
+                context,
+            });
         }
         let blocks = self.kv.allocate(self.kv.layout.blocks_for(needed))?;
         let id = self.next_id;
@@ -216,7 +228,10 @@ impl Engine {
             return Err(EngineError::InvalidArgument(format!("sequence {id} already has KV")));
         }
         if blob.n_tokens != s.n_prompt {
-            return Err(EngineError::KvMismatch(format!("blob holds {} positions, the prompt has {}", blob.n_tokens, s.n_prompt)));
+            return Err(EngineError::KvMismatch(format!(
+                "blob holds {} positions, the prompt has {}",
+                blob.n_tokens, s.n_prompt
+            )));
         }
         self.kv.import(&s.blocks, blob)
     }
@@ -290,12 +305,22 @@ impl Engine {
     /// Admit a sequence whose prompt was prefilled elsewhere: `tokens` is the
     /// prompt followed by the tokens already generated there (at least one),
     /// and `blob` holds the KV of every position but the last token.
-    pub fn import_sequence(&mut self, prompt_len: usize, tokens: Vec<u32>, params: SamplingParams, blob: &KvBlob) -> Result<SeqId> {
+    pub fn import_sequence(
+        &mut self,
+        prompt_len: usize,
+        tokens: Vec<u32>,
+        params: SamplingParams,
+        blob: &KvBlob,
+    ) -> Result<SeqId> {
         if prompt_len == 0 || tokens.len() <= prompt_len {
             return Err(EngineError::InvalidArgument("an imported sequence needs its prompt and a first token".into()));
         }
         if blob.n_tokens != tokens.len() - 1 {
-            return Err(EngineError::KvMismatch(format!("blob holds {} positions, expected {}", blob.n_tokens, tokens.len() - 1)));
+            return Err(EngineError::KvMismatch(format!(
+                "blob holds {} positions, expected {}",
+                blob.n_tokens,
+                tokens.len() - 1
+            )));
         }
         let prompt = tokens[..prompt_len].to_vec();
         let id = self.add_sequence(prompt, params)?;
@@ -312,7 +337,12 @@ impl Engine {
     /// Run many prompts to completion with continuous batching: up to
     /// `max_batch` sequences decode together; new ones are admitted (and
     /// prefilled) as others finish. Returns each prompt's generated tokens.
-    pub fn generate_all(&mut self, prompts: &[Vec<u32>], params: &SamplingParams, max_batch: usize) -> Result<Vec<Vec<u32>>> {
+    pub fn generate_all(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        max_batch: usize,
+    ) -> Result<Vec<Vec<u32>>> {
         let mut results = vec![Vec::new(); prompts.len()];
         let mut waiting: std::collections::VecDeque<usize> = (0..prompts.len()).collect();
         let mut running: Vec<(SeqId, usize)> = Vec::new();

@@ -97,7 +97,9 @@ fn fetch_into(tmp: &Path, dest: &Path) -> Result<()> {
     let got = sha256_file(&part)?;
     if got != GGUF_SHA256 {
         let _ = std::fs::remove_file(&part);
-        return Err(EngineError::Fetch(format!("checksum mismatch for {GGUF_FILE}: got {got}, expected {GGUF_SHA256}")));
+        return Err(EngineError::Fetch(format!(
+            "checksum mismatch for {GGUF_FILE}: got {got}, expected {GGUF_SHA256}"
+        )));
     }
     std::fs::rename(&part, dest).map_err(|e| EngineError::Fetch(format!("moving into place: {e}")))?;
     eprintln!("pdmesh: model ready at {}", dest.display());

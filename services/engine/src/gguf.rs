@@ -208,7 +208,8 @@ impl Gguf {
         let bad = |why: String| EngineError::BadModel { path: path.to_path_buf(), why };
         let file = File::open(path).map_err(|e| EngineError::ModelIo { path: path.to_path_buf(), source: e })?;
         // SAFETY: the map is read-only; the model file is not modified while served.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::ModelIo { path: path.to_path_buf(), source: e })?;
+        let map =
+            unsafe { Mmap::map(&file) }.map_err(|e| EngineError::ModelIo { path: path.to_path_buf(), source: e })?;
         if map.len() < 4 || &map[..4] != MAGIC {
             return Err(bad("not a GGUF file (wrong magic bytes)".into()));
         }
@@ -286,10 +287,9 @@ impl Gguf {
     }
 
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo, EngineError> {
-        self.tensors.get(name).ok_or_else(|| EngineError::BadModel {
-            path: self.path.clone(),
-            why: format!("tensor {name} is missing"),
-        })
+        self.tensors
+            .get(name)
+            .ok_or_else(|| EngineError::BadModel { path: self.path.clone(), why: format!("tensor {name} is missing") })
     }
 
     pub fn get(&self, key: &str) -> Result<&Value, EngineError> {

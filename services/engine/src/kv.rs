@@ -103,7 +103,11 @@ pub struct KvCache {
 
 impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvCache").field("layout", &self.layout).field("used", &self.used()).field("total", &self.n_blocks).finish()
+        f.debug_struct("KvCache")
+            .field("layout", &self.layout)
+            .field("used", &self.used())
+            .field("total", &self.n_blocks)
+            .finish()
     }
 }
 
@@ -168,7 +172,15 @@ impl KvCache {
 
     /// Visit positions `0..n` of one head's keys (kv=0) or values (kv=1)
     /// block by block: `f(first position, f16 rows of the run)`.
-    fn for_each_run(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, mut f: impl FnMut(usize, &[f16])) {
+    fn for_each_run(
+        &self,
+        blocks: &[u32],
+        layer: usize,
+        kv: usize,
+        head: usize,
+        n: usize,
+        mut f: impl FnMut(usize, &[f16]),
+    ) {
         let l = self.layout;
         let mut pos = 0;
         for b in blocks {
@@ -195,7 +207,16 @@ impl KvCache {
     /// Gather positions `0..n` of one head's values transposed into `dst`
     /// (`head_dim` rows of `stride` f32: `dst[d * stride + pos]`), zeroing
     /// positions `n..stride`.
-    pub fn gather_transposed(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, stride: usize, dst: &mut [f32]) {
+    pub fn gather_transposed(
+        &self,
+        blocks: &[u32],
+        layer: usize,
+        kv: usize,
+        head: usize,
+        n: usize,
+        stride: usize,
+        dst: &mut [f32],
+    ) {
         let l = self.layout;
         assert!(n <= stride && dst.len() >= l.head_dim * stride);
         let mut tmp = vec![0f32; l.block_size * l.head_dim];
@@ -222,7 +243,10 @@ impl KvCache {
     pub fn export(&self, blocks: &[u32], n_tokens: usize) -> Result<KvBlob> {
         let need = self.layout.blocks_for(n_tokens);
         if blocks.len() < need {
-            return Err(EngineError::KvMismatch(format!("{n_tokens} tokens need {need} blocks, sequence has {}", blocks.len())));
+            return Err(EngineError::KvMismatch(format!(
+                "{n_tokens} tokens need {need} blocks, sequence has {}",
+                blocks.len()
+            )));
         }
         let mut bytes = Vec::with_capacity(need * self.layout.block_bytes());
         for b in &blocks[..need] {
@@ -234,7 +258,10 @@ impl KvCache {
     /// Write a blob into `blocks` (which must be this sequence's own, already allocated).
     pub fn import(&mut self, blocks: &[u32], blob: &KvBlob) -> Result<()> {
         if blob.layout != self.layout {
-            return Err(EngineError::KvMismatch(format!("layout {:?} does not match this cache's {:?}", blob.layout, self.layout)));
+            return Err(EngineError::KvMismatch(format!(
+                "layout {:?} does not match this cache's {:?}",
+                blob.layout, self.layout
+            )));
         }
         let need = self.layout.blocks_for(blob.n_tokens);
         if blob.bytes.len() != need * self.layout.block_bytes() {
@@ -291,7 +318,8 @@ mod tests {
             for layer in 0..2 {
                 for kv in 0..2 {
                     for h in 0..3 {
-                        let row: Vec<f32> = (0..8).map(|d| (pos * 1000 + layer * 100 + kv * 10 + h) as f32 + d as f32 * 0.5).collect();
+                        let row: Vec<f32> =
+                            (0..8).map(|d| (pos * 1000 + layer * 100 + kv * 10 + h) as f32 + d as f32 * 0.5).collect();
                         a.write(&blocks, layer, kv, h, pos, &row);
                     }
                 }

@@ -111,7 +111,12 @@ fn model_path(m: &ModelArgs) -> Result<PathBuf, EngineError> {
 }
 
 fn engine_options(e: &EngineArgs) -> EngineOptions {
-    EngineOptions { block_size: e.block_size, kv_blocks: e.kv_blocks, threads: e.threads, prefill_chunk: e.prefill_chunk }
+    EngineOptions {
+        block_size: e.block_size,
+        kv_blocks: e.kv_blocks,
+        threads: e.threads,
+        prefill_chunk: e.prefill_chunk,
+    }
 }
 
 fn encode(tok: &Tokenizer, text: &str, chat: bool) -> Result<Vec<u32>, EngineError> {
@@ -130,7 +135,19 @@ fn run(cli: Cli) -> Result<(), EngineError> {
             let tok = Tokenizer::from_gguf(&g)?;
             println!("{}", serde_json::json!({ "ids": encode(&tok, &text, chat)? }));
         }
-        Cmd::Generate { model, engine, text, chat, max_tokens, temperature, top_k, top_p, seed, ignore_eos, stop_ids } => {
+        Cmd::Generate {
+            model,
+            engine,
+            text,
+            chat,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            ignore_eos,
+            stop_ids,
+        } => {
             let (m, g) = Model::load(&model_path(&model)?)?;
             let tok = Tokenizer::from_gguf(&g)?;
             drop(g);

@@ -47,7 +47,11 @@ impl Weight {
         let aligned = match info.ty {
             TensorType::Q4_1 => cast_blocks::<BlockQ4_1>(bytes).is_some(),
             TensorType::Q8_0 => cast_blocks::<BlockQ8_0>(bytes).is_some(),
-            other => return Err(EngineError::Unsupported(format!("tensor {name} has type {other:?}; matmuls support Q4_1 and Q8_0"))),
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor {name} has type {other:?}; matmuls support Q4_1 and Q8_0"
+                )))
+            }
         };
         if !aligned {
             return Err(bad("data is misaligned".into()));
@@ -82,7 +86,10 @@ impl Weight {
 fn load_f32(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
     let info = g.tensor(name)?;
     if info.ty != TensorType::F32 || info.elements() as usize != len {
-        return Err(EngineError::BadModel { path: g.path.clone(), why: format!("tensor {name}: expected {len} f32 values") });
+        return Err(EngineError::BadModel {
+            path: g.path.clone(),
+            why: format!("tensor {name}: expected {len} f32 values"),
+        });
     }
     Ok(g.tensor_bytes(info).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
@@ -176,7 +183,16 @@ pub fn set_kernel_spans(on: bool) {
 
 /// A kernel-launch span: name, backend, shape (m rows x n outputs x k
 /// inputs), layer, and the values of the kernel tuning knobs.
-fn kernel_span(on: bool, name: &'static str, be: pdmesh_kernels::Backend, threads: usize, layer: usize, m: usize, n: usize, k: usize) -> Option<tracing::span::EnteredSpan> {
+fn kernel_span(
+    on: bool,
+    name: &'static str,
+    be: pdmesh_kernels::Backend,
+    threads: usize,
+    layer: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Option<tracing::span::EnteredSpan> {
     on.then(|| {
         tracing::info_span!(
             "kernel",
@@ -262,7 +278,9 @@ impl Model {
         for item in batch {
             let end = item.start_pos + item.tokens.len();
             if end > c.context_length || kv.layout.blocks_for(end) > item.blocks.len() {
-                return Err(EngineError::InvalidArgument(format!("positions up to {end} exceed the sequence's KV reservation")));
+                return Err(EngineError::InvalidArgument(format!(
+                    "positions up to {end} exceed the sequence's KV reservation"
+                )));
             }
             if let Some(t) = item.tokens.iter().find(|t| **t as usize >= c.vocab_size) {
                 return Err(EngineError::BadToken(*t));

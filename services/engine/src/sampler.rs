@@ -31,7 +31,15 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, max_tokens: 16, stop_ids: Vec::new(), ignore_eos: false }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            max_tokens: 16,
+            stop_ids: Vec::new(),
+            ignore_eos: false,
+        }
     }
 }
 

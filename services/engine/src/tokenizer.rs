@@ -91,7 +91,8 @@ impl Tokenizer {
             Some(a) => a.iter().map(|v| v.as_u64().map(|x| x as i64).unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
         let merges: Vec<(String, String)> = merges
             .iter()
             .map(|m| {

@@ -10,8 +10,14 @@ fn golden_copy_is_current() {
     let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden/smollm2.json");
     match std::fs::read_to_string(&shared) {
         Ok(s) => {
-            let ours = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2.golden.json")).unwrap();
-            assert_eq!(s, ours, "tests/data/smollm2.golden.json differs from ../shared/golden/smollm2.json: copy it again");
+            let ours = std::fs::read_to_string(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2.golden.json"),
+            )
+            .unwrap();
+            assert_eq!(
+                s, ours,
+                "tests/data/smollm2.golden.json differs from ../shared/golden/smollm2.json: copy it again"
+            );
         }
         Err(_) => eprintln!("SKIPPED: no ../shared/golden next to this checkout; using the committed copy"),
     }
@@ -25,7 +31,11 @@ fn tokenization_and_chat_template_match_llama_cpp() {
         assert_eq!(f.tok.encode(prompt, false).unwrap(), ids(&g["raw_ids"]), "raw ids of {prompt:?}");
         let text = f.tok.apply_chat_template(&[ChatMessage::user(prompt)], true).unwrap();
         assert_eq!(text, g["chat_text"].as_str().unwrap(), "chat text of {prompt:?}");
-        assert_eq!(f.tok.encode_chat(&[ChatMessage::user(prompt)]).unwrap(), ids(&g["chat_ids"]), "chat ids of {prompt:?}");
+        assert_eq!(
+            f.tok.encode_chat(&[ChatMessage::user(prompt)]).unwrap(),
+            ids(&g["chat_ids"]),
+            "chat ids of {prompt:?}"
+        );
     }
 }
 
@@ -53,7 +63,12 @@ fn first_position_logits_match_llama_cpp_top5() {
         let want_ids: Vec<usize> = want.iter().map(|(i, _)| *i).collect();
         assert_eq!(order[..5], want_ids[..], "{:?}: top-5 ids", g["prompt"]);
         for (id, l) in &want {
-            assert!((logits[*id] - l).abs() <= 1e-4, "{:?}: logit of {id} is {} vs golden {l}", g["prompt"], logits[*id]);
+            assert!(
+                (logits[*id] - l).abs() <= 1e-4,
+                "{:?}: logit of {id} is {} vs golden {l}",
+                g["prompt"],
+                logits[*id]
+            );
         }
     }
 }
@@ -75,7 +90,10 @@ fn greedy_generation_matches_llama_cpp() {
         assert_eq!(out, &want, "{:?}", g["prompt"]);
         // The text of the golden greedy run (stopping at EOS) comes out the same.
         let stop = want.iter().position(|t| *t == 2).map_or(want.len(), |p| p + 1);
-        assert_eq!(f.tok.decode(&out[..stop], false), g["greedy_text"].as_str().unwrap().trim_end_matches("<|im_end|>"));
+        assert_eq!(
+            f.tok.decode(&out[..stop], false),
+            g["greedy_text"].as_str().unwrap().trim_end_matches("<|im_end|>")
+        );
     }
     // Stopping at EOS (inclusive) gives llama.cpp's `greedy_ids`.
     let stopping = SamplingParams { max_tokens: 32, ..Default::default() };

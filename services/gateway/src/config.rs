@@ -3,7 +3,11 @@
 use std::net::SocketAddr;
 
 #[derive(clap::Parser, Debug, Clone, serde::Serialize)]
-#[command(name = "pdmesh-gateway", version, about = "pdmesh gateway: OpenAI-compatible HTTP API in front of the router")]
+#[command(
+    name = "pdmesh-gateway",
+    version,
+    about = "pdmesh gateway: OpenAI-compatible HTTP API in front of the router"
+)]
 pub struct Config {
     /// HTTP listen address of the OpenAI API (also serves /health).
     #[arg(long, env = "PDMESH_GATEWAY_LISTEN", default_value = "127.0.0.1:8080")]

@@ -57,7 +57,11 @@ pub struct Gateway {
 fn render(g: &Gateway) -> String {
     let mut t = Text::default();
     t.gauge("pdmesh_gateway_in_flight", "HTTP requests being served.", g.in_flight.load(Ordering::Relaxed) as f64)
-        .histogram("pdmesh_gateway_request_seconds", "Time from request arrival to the last byte handed to the client.", &g.e2e);
+        .histogram(
+            "pdmesh_gateway_request_seconds",
+            "Time from request arrival to the last byte handed to the client.",
+            &g.e2e,
+        );
     let v: Vec<(&str, f64)> = STATUSES.iter().map(|s| (*s, g.by_status.get(s) as f64)).collect();
     t.labelled("pdmesh_gateway_requests_total", "counter", "Finished API requests by HTTP status.", "status", &v);
     t.0
@@ -207,10 +211,20 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
         let _ = span.set_parent(telemetry::extract_http(&headers));
     }
     let trace_id = telemetry::trace_id(&span);
-    let mut tracked = Tracked { g: g.clone(), status: "500", t0: std::time::Instant::now(), span: span.clone(), wait: ClientWait::default() };
+    let mut tracked = Tracked {
+        g: g.clone(),
+        status: "500",
+        t0: std::time::Instant::now(),
+        span: span.clone(),
+        wait: ClientWait::default(),
+    };
     let (mut r, sse) = match respond(&g, headers, body, kind).instrument(span.clone()).await {
         Reply::Done(r) => (r, None),
-        Reply::Sse(rx) => ((StatusCode::OK, [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")]).into_response(), Some(rx)),
+        Reply::Sse(rx) => (
+            (StatusCode::OK, [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")])
+                .into_response(),
+            Some(rx),
+        ),
     };
     tracked.status = status_label(r.status().as_u16());
     span.record("http.response.status_code", r.status().as_u16() as i64);
@@ -250,7 +264,10 @@ struct PlainBody<S> {
 
 impl<S: tokio_stream::Stream + Unpin> tokio_stream::Stream for PlainBody<S> {
     type Item = S::Item;
-    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<S::Item>> {
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
         std::pin::Pin::new(&mut self.inner).poll_next(cx)
     }
 }
@@ -266,7 +283,10 @@ struct TrackedBody {
 
 impl tokio_stream::Stream for TrackedBody {
     type Item = Result<Bytes, std::io::Error>;
-    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Self::Item>> {
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
         use std::task::Poll;
         loop {
             if let Some((sleep, ready, _)) = self.delay.as_mut() {
@@ -313,13 +333,21 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
     parsed.request.request_id = id.clone();
     tracing::Span::current().record("pdmesh.request_id", id.as_str());
     let mut deadline = Duration::from_secs_f64(g.config.request_timeout_s.max(0.001));
-    if let Some(t) = headers.get("x-request-timeout").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok()) {
+    if let Some(t) =
+        headers.get("x-request-timeout").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
+    {
         if t > 0.0 && t.is_finite() {
             deadline = deadline.min(Duration::from_secs_f64(t));
         }
     }
     let Some(list) = g.router.wait_any(Duration::from_secs(2)).await else {
-        return Reply::Done(error_body(503, "no router is available", "service_unavailable", None, Some("unavailable")));
+        return Reply::Done(error_body(
+            503,
+            "no router is available",
+            "service_unavailable",
+            None,
+            Some("unavailable"),
+        ));
     };
     let ch = match g.router.channel(&list[0]) {
         Ok(c) => c,
@@ -337,17 +365,24 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         let first = s.message().await?;
         Ok::<_, tonic::Status>((s, first))
     };
-    let (mut stream, first) = match tokio::time::timeout(deadline + Duration::from_millis(500), call.instrument(rpc.clone())).await {
-        Ok(Ok(x)) => x,
-        Ok(Err(s)) => {
-            telemetry::record_status(&rpc, Some(&s));
-            return Reply::Done(status_response(&s));
-        }
-        Err(_) => {
-            telemetry::mark_error(&rpc, "deadline exceeded");
-            return Reply::Done(error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded")));
-        }
-    };
+    let (mut stream, first) =
+        match tokio::time::timeout(deadline + Duration::from_millis(500), call.instrument(rpc.clone())).await {
+            Ok(Ok(x)) => x,
+            Ok(Err(s)) => {
+                telemetry::record_status(&rpc, Some(&s));
+                return Reply::Done(status_response(&s));
+            }
+            Err(_) => {
+                telemetry::mark_error(&rpc, "deadline exceeded");
+                return Reply::Done(error_body(
+                    504,
+                    "request did not finish within its deadline",
+                    "timeout_error",
+                    None,
+                    Some("deadline_exceeded"),
+                ));
+            }
+        };
     let created = now_s();
     let model = parsed.model.clone();
     if !parsed.stream {
@@ -357,7 +392,15 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         loop {
             let ev = match next.and_then(|m| m.event) {
                 Some(e) => e,
-                None => return Reply::Done(error_body(503, "the router ended the stream without finishing", "service_unavailable", None, Some("unavailable"))),
+                None => {
+                    return Reply::Done(error_body(
+                        503,
+                        "the router ended the stream without finishing",
+                        "service_unavailable",
+                        None,
+                        Some("unavailable"),
+                    ))
+                }
             };
             match ev {
                 pb::generate_response::Event::Delta(d) => text.push_str(&d.text),
@@ -373,7 +416,9 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
                                 "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": fr }],
                                 "usage": usage_json(&f) })
                     };
-                    return Reply::Done(([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response());
+                    return Reply::Done(
+                        ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
+                    );
                 }
             }
             next = match tokio::time::timeout_at(until, stream.message()).await {
@@ -382,7 +427,15 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
                     telemetry::record_status(&rpc, Some(&s));
                     return Reply::Done(status_response(&s));
                 }
-                Err(_) => return Reply::Done(error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded"))),
+                Err(_) => {
+                    return Reply::Done(error_body(
+                        504,
+                        "request did not finish within its deadline",
+                        "timeout_error",
+                        None,
+                        Some("deadline_exceeded"),
+                    ))
+                }
             };
         }
     }
@@ -479,13 +532,30 @@ async fn health(State(g): State<Arc<Gateway>>) -> Response {
 }
 
 async fn not_found() -> Response {
-    error_body(404, "unknown path; this server serves /v1/chat/completions, /v1/completions and /v1/models", "invalid_request_error", None, Some("unknown_url"))
+    error_body(
+        404,
+        "unknown path; this server serves /v1/chat/completions, /v1/completions and /v1/models",
+        "invalid_request_error",
+        None,
+        Some("unknown_url"),
+    )
 }
 
 /// Serve the OpenAI API on `listener` until `shutdown` resolves.
-pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), Error> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
     let router = Peers::resolve(&config.common, "router", &config.router_addr).map_err(Error::Setup)?;
-    let g = Arc::new(Gateway { config: config.clone(), router, in_flight: AtomicU64::new(0), next_id: AtomicU64::new(0), by_status: Outcomes::new(STATUSES), e2e: Histogram::latency() });
+    let g = Arc::new(Gateway {
+        config: config.clone(),
+        router,
+        in_flight: AtomicU64::new(0),
+        next_id: AtomicU64::new(0),
+        by_status: Outcomes::new(STATUSES),
+        e2e: Histogram::latency(),
+    });
     let g2 = g.clone();
     let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move || render(&g2)));
     let admin = Admin::start(&config.common, admin).await?;

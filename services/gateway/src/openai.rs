@@ -60,15 +60,30 @@ fn text_of(content: &Value, i: usize) -> Result<String, BadRequest> {
 
 /// Parse a `/v1/chat/completions` or `/v1/completions` body.
 pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32) -> Result<Parsed, BadRequest> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| BadRequest { status: 400, message: format!("request body is not valid JSON: {e}"), param: None, code: None })?;
-    let o = v.as_object().ok_or_else(|| BadRequest { status: 400, message: "request body must be a JSON object".into(), param: None, code: None })?;
+    let v: Value = serde_json::from_slice(body).map_err(|e| BadRequest {
+        status: 400,
+        message: format!("request body is not valid JSON: {e}"),
+        param: None,
+        code: None,
+    })?;
+    let o = v.as_object().ok_or_else(|| BadRequest {
+        status: 400,
+        message: "request body must be a JSON object".into(),
+        param: None,
+        code: None,
+    })?;
     let model = match o.get("model") {
         Some(Value::String(m)) => m.clone(),
         None => return Err(bad("model", "model is required")),
         Some(_) => return Err(bad("model", "model must be a string")),
     };
     if model != model_name {
-        return Err(BadRequest { status: 404, message: format!("The model `{model}` does not exist; this server serves `{model_name}`"), param: Some("model"), code: Some("model_not_found") });
+        return Err(BadRequest {
+            status: 404,
+            message: format!("The model `{model}` does not exist; this server serves `{model_name}`"),
+            param: Some("model"),
+            code: Some("model_not_found"),
+        });
     }
     let input = match kind {
         Kind::Chat => {
@@ -82,9 +97,15 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
             }
             let mut out = Vec::with_capacity(msgs.len());
             for (i, m) in msgs.iter().enumerate() {
-                let role = m.get("role").and_then(Value::as_str).ok_or_else(|| bad("messages", format!("messages[{i}].role is required")))?;
+                let role = m
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("messages", format!("messages[{i}].role is required")))?;
                 if !ROLES.contains(&role) {
-                    return Err(bad("messages", format!("messages[{i}].role {role:?} is not one of {}", ROLES.join(", "))));
+                    return Err(bad(
+                        "messages",
+                        format!("messages[{i}].role {role:?} is not one of {}", ROLES.join(", ")),
+                    ));
                 }
                 let role = if role == "developer" { "system" } else { role };
                 let content = text_of(m.get("content").unwrap_or(&Value::Null), i)?;
@@ -95,8 +116,12 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
         Kind::Completion => {
             let p = match o.get("prompt") {
                 Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
-                Some(Value::Array(_)) => return Err(bad("prompt", "prompt must be one string (batches of prompts are not supported)")),
+                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                    a[0].as_str().unwrap_or_default().to_string()
+                }
+                Some(Value::Array(_)) => {
+                    return Err(bad("prompt", "prompt must be one string (batches of prompts are not supported)"))
+                }
                 None => return Err(bad("prompt", "prompt is required")),
                 Some(_) => return Err(bad("prompt", "prompt must be a string")),
             };
@@ -106,12 +131,31 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
             pb::generate_request::Input::Prompt(p)
         }
     };
-    let key = if o.get("max_completion_tokens").is_some_and(|v| !v.is_null()) { "max_completion_tokens" } else { "max_tokens" };
+    let key = if o.get("max_completion_tokens").is_some_and(|v| !v.is_null()) {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
     let max_tokens = match number(o, key)? {
         None => default_max_tokens,
-        Some(n) if n.fract() != 0.0 => return Err(bad(if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" }, format!("{key} must be an integer, got {n}"))),
-        Some(n) if n < 1.0 => return Err(bad(if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" }, format!("{key} must be at least 1, got {n}"))),
-        Some(n) if n > u32::MAX as f64 => return Err(bad(if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" }, format!("{key} is too large: {n}"))),
+        Some(n) if n.fract() != 0.0 => {
+            return Err(bad(
+                if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" },
+                format!("{key} must be an integer, got {n}"),
+            ))
+        }
+        Some(n) if n < 1.0 => {
+            return Err(bad(
+                if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" },
+                format!("{key} must be at least 1, got {n}"),
+            ))
+        }
+        Some(n) if n > u32::MAX as f64 => {
+            return Err(bad(
+                if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" },
+                format!("{key} is too large: {n}"),
+            ))
+        }
         Some(n) => n as u32,
     };
     let temperature = number(o, "temperature")?.unwrap_or(1.0);
@@ -140,7 +184,9 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
     let stop = match o.get("stop") {
         None | Some(Value::Null) => vec![],
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a.iter().filter_map(|s| s.as_str().map(String::from)).collect(),
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
+            a.iter().filter_map(|s| s.as_str().map(String::from)).collect()
+        }
         Some(_) => return Err(bad("stop", "stop must be a string or an array of strings")),
     };
     if stop.len() > 4 || stop.iter().any(String::is_empty) {
@@ -151,11 +197,25 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("stream", "stream must be a boolean")),
     };
-    let include_usage = o.get("stream_options").and_then(|s| s.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let include_usage =
+        o.get("stream_options").and_then(|s| s.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     // Greedy for temperature 0 is exact; other settings sample with the seed.
-    let sampling = common::SamplingParams { temperature: temperature as f32, top_k: top_k as u32, top_p: top_p as f32, seed };
+    let sampling =
+        common::SamplingParams { temperature: temperature as f32, top_k: top_k as u32, top_p: top_p as f32, seed };
     let ignore_eos = o.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
-    Ok(Parsed { request: pb::GenerateRequest { request_id: String::new(), input: Some(input), sampling: Some(sampling), max_tokens, stop, ignore_eos }, stream, include_usage, model })
+    Ok(Parsed {
+        request: pb::GenerateRequest {
+            request_id: String::new(),
+            input: Some(input),
+            sampling: Some(sampling),
+            max_tokens,
+            stop,
+            ignore_eos,
+        },
+        stream,
+        include_usage,
+        model,
+    })
 }
 
 #[cfg(test)]

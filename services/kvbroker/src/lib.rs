@@ -23,7 +23,9 @@ use crate::tickets::Tickets;
 
 fn render_metrics(t: &Tickets, expired_total: u64) -> String {
     let counts = t.count_by_state();
-    let mut s = String::from("# HELP pdmesh_kvbroker_tickets Tickets held by the broker, by state.\n# TYPE pdmesh_kvbroker_tickets gauge\n");
+    let mut s = String::from(
+        "# HELP pdmesh_kvbroker_tickets Tickets held by the broker, by state.\n# TYPE pdmesh_kvbroker_tickets gauge\n",
+    );
     for st in [
         pb::TicketState::Unspecified,
         pb::TicketState::Open,
@@ -44,14 +46,20 @@ fn render_metrics(t: &Tickets, expired_total: u64) -> String {
 }
 
 /// Serve the broker on `listener` until `shutdown` resolves.
-pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
     let tickets = Arc::new(Mutex::new(Tickets::new(Duration::from_secs(config.retention_s))));
     let expired_total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (t2, e2) = (tickets.clone(), expired_total.clone());
     let admin = AdminState::new(
         "kvbroker",
         serde_json::to_value(&config).unwrap_or_default(),
-        Arc::new(move || render_metrics(&t2.lock().unwrap_or_else(|e| e.into_inner()), e2.load(std::sync::atomic::Ordering::Relaxed))),
+        Arc::new(move || {
+            render_metrics(&t2.lock().unwrap_or_else(|e| e.into_inner()), e2.load(std::sync::atomic::Ordering::Relaxed))
+        }),
     );
     let admin = Admin::start(&config.common, admin).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -72,7 +80,8 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     });
     let broker = server::Broker { tickets, agents: Mutex::new(Default::default()), max_lease_ms: config.max_lease_ms };
     let routes = tonic::service::Routes::new(pb::kv_broker_server::KvBrokerServer::new(broker));
-    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, "pdmesh.kvbroker.v1.KvBroker").await.map_err(Error::Reflection)?;
+    let (routes, health) =
+        pdmesh_core::grpc::standard_routes(routes, "pdmesh.kvbroker.v1.KvBroker").await.map_err(Error::Reflection)?;
     health.set(true).await;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
     let announced = admin.announce("kvbroker", &config.common, grpc_addr).await?;

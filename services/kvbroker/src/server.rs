@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
-use pdmesh_proto::kvbroker::v1 as pb;
 use pb::{Ticket, TicketState};
+use pdmesh_proto::kvbroker::v1 as pb;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -54,7 +54,10 @@ type TicketStream = Pin<Box<dyn Stream<Item = Result<Ticket, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::kv_broker_server::KvBroker for Broker {
-    async fn register_agent(&self, req: Request<pb::RegisterAgentRequest>) -> Result<Response<pb::RegisterAgentResponse>, Status> {
+    async fn register_agent(
+        &self,
+        req: Request<pb::RegisterAgentRequest>,
+    ) -> Result<Response<pb::RegisterAgentResponse>, Status> {
         let agent = req.into_inner().agent.ok_or_else(|| Error::Invalid("agent is required".into()))?;
         if agent.worker_id.is_empty() {
             return Err(Error::Invalid("agent.worker_id is required".into()).into());
@@ -76,7 +79,9 @@ impl pb::kv_broker_server::KvBroker for Broker {
         let r = req.into_inner();
         span.set_attribute("pdmesh.ticket.blocks", r.dest_blocks.len() as i64);
         span.set_attribute("pdmesh.ticket.lease_ms", r.lease_ms as i64);
-        let t = self.lease(r.lease_ms).and_then(|lease| Ok(self.table().open(&r.request_id, &r.dest_worker, r.dest_blocks, r.n_tokens, lease, now_ms())?));
+        let t = self.lease(r.lease_ms).and_then(|lease| {
+            Ok(self.table().open(&r.request_id, &r.dest_worker, r.dest_blocks, r.n_tokens, lease, now_ms())?)
+        });
         traced(span, t)
     }
 

@@ -92,7 +92,15 @@ impl Tickets {
     }
 
     /// Decode: its blocks are reserved; the prefill may write.
-    pub fn open(&mut self, id: &str, dest_worker: &str, dest_blocks: Vec<u32>, n_tokens: u32, lease_ms: u32, now_ms: u64) -> Result<Ticket, TicketError> {
+    pub fn open(
+        &mut self,
+        id: &str,
+        dest_worker: &str,
+        dest_blocks: Vec<u32>,
+        n_tokens: u32,
+        lease_ms: u32,
+        now_ms: u64,
+    ) -> Result<Ticket, TicketError> {
         if id.is_empty() || dest_worker.is_empty() || dest_blocks.is_empty() || lease_ms == 0 {
             return Err(TicketError::Invalid("request_id, dest_worker, dest_blocks and lease_ms are required".into()));
         }
@@ -133,7 +141,13 @@ impl Tickets {
     }
 
     /// Prefill: the KV is written (`Ok(first_token)`) or could not be (`Err(why)`).
-    pub fn complete(&mut self, id: &str, outcome: Result<u32, String>, bytes: u64, now_ms: u64) -> Result<Ticket, TicketError> {
+    pub fn complete(
+        &mut self,
+        id: &str,
+        outcome: Result<u32, String>,
+        bytes: u64,
+        now_ms: u64,
+    ) -> Result<Ticket, TicketError> {
         let cur = self.get(id).map(|t| state(&t)).ok_or_else(|| TicketError::NotFound(id.into()))?;
         if !matches!(cur, TicketState::Claimed | TicketState::Writing) {
             return Err(TicketError::WrongState(id.into(), cur));
@@ -172,7 +186,8 @@ impl Tickets {
             return Err(TicketError::WrongState(id.into(), cur));
         }
         // Extend only: a renewal never shortens a lease someone else set.
-        Ok(self.update(id, now_ms, |t| t.lease_deadline_unix_ms = t.lease_deadline_unix_ms.max(now_ms + lease_ms as u64)))
+        Ok(self
+            .update(id, now_ms, |t| t.lease_deadline_unix_ms = t.lease_deadline_unix_ms.max(now_ms + lease_ms as u64)))
     }
 
     /// Expire leased tickets past their deadline (and expected ones never
@@ -186,7 +201,9 @@ impl Tickets {
             .filter_map(|(k, e)| {
                 let t = e.tx.borrow();
                 match state(&t) {
-                    TicketState::Open | TicketState::Claimed | TicketState::Writing if t.lease_deadline_unix_ms <= now_ms => {
+                    TicketState::Open | TicketState::Claimed | TicketState::Writing
+                        if t.lease_deadline_unix_ms <= now_ms =>
+                    {
                         Some((k.clone(), "lease expired"))
                     }
                     TicketState::Unspecified if e.created_ms + retention <= now_ms => Some((k.clone(), "never opened")),
@@ -271,7 +288,10 @@ mod tests {
         let mut t = table();
         let c = t.cancel("r", "client gone", 0);
         assert_eq!(state(&c), TicketState::Cancelled);
-        assert!(matches!(t.open("r", "d0", vec![1], 5, 1000, 1), Err(TicketError::WrongState(_, TicketState::Cancelled))));
+        assert!(matches!(
+            t.open("r", "d0", vec![1], 5, 1000, 1),
+            Err(TicketError::WrongState(_, TicketState::Cancelled))
+        ));
         // Cancelling an ended ticket changes nothing.
         t.open("s", "d0", vec![1], 5, 1000, 0).unwrap();
         t.claim("s", "p0", 0).unwrap();

@@ -2,14 +2,23 @@
 
 use std::time::Duration;
 
-use pdmesh_proto::kvbroker::v1 as pb;
 use pb::kv_broker_client::KvBrokerClient;
 use pb::TicketState;
+use pdmesh_proto::kvbroker::v1 as pb;
 use tonic::transport::Channel;
 use tonic::Code;
 
-fn config(listener: &tokio::net::TcpListener, common: pdmesh_core::args::CommonArgs) -> pdmesh_kvbroker::config::Config {
-    pdmesh_kvbroker::config::Config { listen: listener.local_addr().unwrap(), tick_ms: 10, retention_s: 60, max_lease_ms: 10_000, common }
+fn config(
+    listener: &tokio::net::TcpListener,
+    common: pdmesh_core::args::CommonArgs,
+) -> pdmesh_kvbroker::config::Config {
+    pdmesh_kvbroker::config::Config {
+        listen: listener.local_addr().unwrap(),
+        tick_ms: 10,
+        retention_s: 60,
+        max_lease_ms: 10_000,
+        common,
+    }
 }
 
 async fn boot_with(common: pdmesh_core::args::CommonArgs) -> (KvBrokerClient<Channel>, pdmesh_testkit::Running) {
@@ -23,7 +32,13 @@ async fn boot() -> (KvBrokerClient<Channel>, pdmesh_testkit::Running) {
 }
 
 fn open(id: &str, lease_ms: u32) -> pb::OpenTicketRequest {
-    pb::OpenTicketRequest { request_id: id.into(), dest_worker: "decode-0".into(), dest_blocks: vec![5, 6, 7], n_tokens: 40, lease_ms }
+    pb::OpenTicketRequest {
+        request_id: id.into(),
+        dest_worker: "decode-0".into(),
+        dest_blocks: vec![5, 6, 7],
+        n_tokens: 40,
+        lease_ms,
+    }
 }
 
 fn st(t: &pb::Ticket) -> TicketState {
@@ -34,22 +49,39 @@ fn st(t: &pb::Ticket) -> TicketState {
 async fn dual_dispatch_flow_and_watchers_see_every_state() {
     let (mut c, svc) = boot().await;
     c.register_agent(pb::RegisterAgentRequest {
-        agent: Some(pb::Agent { worker_id: "decode-0".into(), transport: pb::Transport::Tcp as i32, address: "127.0.0.1:1".into(), ..Default::default() }),
+        agent: Some(pb::Agent {
+            worker_id: "decode-0".into(),
+            transport: pb::Transport::Tcp as i32,
+            address: "127.0.0.1:1".into(),
+            ..Default::default()
+        }),
     })
     .await
     .unwrap();
-    assert_eq!(c.get_agent(pb::GetAgentRequest { worker_id: "decode-0".into() }).await.unwrap().into_inner().address, "127.0.0.1:1");
+    assert_eq!(
+        c.get_agent(pb::GetAgentRequest { worker_id: "decode-0".into() }).await.unwrap().into_inner().address,
+        "127.0.0.1:1"
+    );
     assert_eq!(c.get_agent(pb::GetAgentRequest { worker_id: "nope".into() }).await.unwrap_err().code(), Code::NotFound);
 
     // The prefill claims before the decode opened: the claim waits.
     let mut watch = c.watch_ticket(pb::WatchTicketRequest { request_id: "r1".into() }).await.unwrap().into_inner();
     let mut c2 = c.clone();
-    let claim = tokio::spawn(async move { c2.claim_ticket(pb::ClaimTicketRequest { request_id: "r1".into(), source_worker: "prefill-0".into() }).await });
+    let claim = tokio::spawn(async move {
+        c2.claim_ticket(pb::ClaimTicketRequest { request_id: "r1".into(), source_worker: "prefill-0".into() }).await
+    });
     c.open_ticket(open("r1", 5000)).await.unwrap();
     let claimed = claim.await.unwrap().unwrap().into_inner();
-    assert_eq!((st(&claimed), claimed.dest_blocks.clone(), claimed.source_worker.as_str()), (TicketState::Claimed, vec![5, 6, 7], "prefill-0"));
+    assert_eq!(
+        (st(&claimed), claimed.dest_blocks.clone(), claimed.source_worker.as_str()),
+        (TicketState::Claimed, vec![5, 6, 7], "prefill-0")
+    );
     let done = c
-        .complete_ticket(pb::CompleteTicketRequest { request_id: "r1".into(), outcome: Some(pb::complete_ticket_request::Outcome::FirstToken(42)), bytes: 999 })
+        .complete_ticket(pb::CompleteTicketRequest {
+            request_id: "r1".into(),
+            outcome: Some(pb::complete_ticket_request::Outcome::FirstToken(42)),
+            bytes: 999,
+        })
         .await
         .unwrap()
         .into_inner();
@@ -71,7 +103,8 @@ async fn lease_expiry_and_cancel_end_tickets_for_everyone() {
     // asking for less does not shorten it (renewals only extend).
     c.open_ticket(open("slow", 1500)).await.unwrap();
     c.claim_ticket(pb::ClaimTicketRequest { request_id: "slow".into(), source_worker: "p".into() }).await.unwrap();
-    let r = c.renew_lease(pb::RenewLeaseRequest { request_id: "slow".into(), lease_ms: 100 }).await.unwrap().into_inner();
+    let r =
+        c.renew_lease(pb::RenewLeaseRequest { request_id: "slow".into(), lease_ms: 100 }).await.unwrap().into_inner();
     assert!(r.lease_deadline_unix_ms >= kvbroker_now_ms() + 500, "a short renewal cut the lease");
     let mut w = c.watch_ticket(pb::WatchTicketRequest { request_id: "slow".into() }).await.unwrap().into_inner();
     let last = tokio::time::timeout(Duration::from_secs(5), async {
@@ -85,16 +118,28 @@ async fn lease_expiry_and_cancel_end_tickets_for_everyone() {
     .expect("watcher never saw the lease expire");
     assert_eq!((st(&last), last.reason.as_str()), (TicketState::Expired, "lease expired"));
     // Completing after expiry is refused: the decode already freed its blocks.
-    let late = c.complete_ticket(pb::CompleteTicketRequest { request_id: "slow".into(), outcome: Some(pb::complete_ticket_request::Outcome::FirstToken(1)), bytes: 0 }).await;
+    let late = c
+        .complete_ticket(pb::CompleteTicketRequest {
+            request_id: "slow".into(),
+            outcome: Some(pb::complete_ticket_request::Outcome::FirstToken(1)),
+            bytes: 0,
+        })
+        .await;
     assert_eq!(late.unwrap_err().code(), Code::FailedPrecondition);
 
     // The client went away before the decode admitted the request: the late open fails.
-    let t = c.cancel_ticket(pb::CancelTicketRequest { request_id: "gone".into(), reason: "client disconnected".into() }).await.unwrap().into_inner();
+    let t = c
+        .cancel_ticket(pb::CancelTicketRequest { request_id: "gone".into(), reason: "client disconnected".into() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(st(&t), TicketState::Cancelled);
     assert_eq!(c.open_ticket(open("gone", 1000)).await.unwrap_err().code(), Code::FailedPrecondition);
     // A waiting claim is released by the cancel instead of hanging.
     let mut c2 = c.clone();
-    let claim = tokio::spawn(async move { c2.claim_ticket(pb::ClaimTicketRequest { request_id: "r2".into(), source_worker: "p".into() }).await });
+    let claim = tokio::spawn(async move {
+        c2.claim_ticket(pb::ClaimTicketRequest { request_id: "r2".into(), source_worker: "p".into() }).await
+    });
     tokio::time::sleep(Duration::from_millis(50)).await;
     c.cancel_ticket(pb::CancelTicketRequest { request_id: "r2".into(), reason: "decode died".into() }).await.unwrap();
     let r = tokio::time::timeout(Duration::from_secs(5), claim).await.expect("claim hung").unwrap();

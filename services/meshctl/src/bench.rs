@@ -106,14 +106,23 @@ async fn mesh_point(addr: &str, c: usize, n: usize, max_tokens: u32) -> Result<s
                 }
                 let req = pb::GenerateRequest {
                     request_id: String::new(),
-                    input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: vec![pb::ChatMessage { role: "user".into(), content: PROMPTS[i % PROMPTS.len()].into() }] })),
+                    input: Some(pb::generate_request::Input::Chat(pb::ChatMessages {
+                        messages: vec![pb::ChatMessage {
+                            role: "user".into(),
+                            content: PROMPTS[i % PROMPTS.len()].into(),
+                        }],
+                    })),
                     sampling: Some(common::SamplingParams::default()),
                     max_tokens,
                     stop: vec![],
                     ignore_eos: true,
                 };
                 let sent = Instant::now();
-                let mut s = pb::router_client::RouterClient::new(ch.clone()).generate(req).await.map_err(|e| e.to_string())?.into_inner();
+                let mut s = pb::router_client::RouterClient::new(ch.clone())
+                    .generate(req)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .into_inner();
                 let mut first = None;
                 let mut tokens = 0;
                 while let Some(m) = s.message().await.map_err(|e| e.to_string())? {
@@ -138,7 +147,13 @@ async fn mesh_point(addr: &str, c: usize, n: usize, max_tokens: u32) -> Result<s
 /// The engine alone: C sequences in flight, a new one admitted as soon as
 /// one finishes; new ones are prefilled, then all running ones take a
 /// decode step (as `Engine::generate_all` does).
-fn engine_point(engine: &mut Engine, prompts: &[Vec<u32>], c: usize, n: usize, max_tokens: u32) -> Result<serde_json::Value, String> {
+fn engine_point(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    c: usize,
+    n: usize,
+    max_tokens: u32,
+) -> Result<serde_json::Value, String> {
     let params = SamplingParams { max_tokens: max_tokens as usize, ignore_eos: true, ..Default::default() };
     let t0 = Instant::now();
     let mut next = 0;
@@ -147,7 +162,9 @@ fn engine_point(engine: &mut Engine, prompts: &[Vec<u32>], c: usize, n: usize, m
     while next < n || !running.is_empty() {
         let mut fresh = Vec::new();
         while running.len() + fresh.len() < c && next < n {
-            let id = engine.add_sequence(prompts[next % prompts.len()].clone(), params.clone()).map_err(|e| e.to_string())?;
+            let id = engine
+                .add_sequence(prompts[next % prompts.len()].clone(), params.clone())
+                .map_err(|e| e.to_string())?;
             fresh.push((id, Instant::now()));
             next += 1;
         }
@@ -202,8 +219,13 @@ pub async fn run(a: Args) -> Result<(), String> {
             };
             let (m, g) = Model::load(&path).map_err(|e| e.to_string())?;
             let tok = Tokenizer::from_gguf(&g).map_err(|e| e.to_string())?;
-            let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| tok.encode_chat(&[ChatMessage::user(*p)])).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
-            let mut engine = Engine::new(m, EngineOptions { threads, ..Default::default() }).map_err(|e| e.to_string())?;
+            let prompts: Vec<Vec<u32>> = PROMPTS
+                .iter()
+                .map(|p| tok.encode_chat(&[ChatMessage::user(*p)]))
+                .collect::<Result<_, _>>()
+                .map_err(|e| e.to_string())?;
+            let mut engine =
+                Engine::new(m, EngineOptions { threads, ..Default::default() }).map_err(|e| e.to_string())?;
             engine_point(&mut engine, &prompts, 1, 2, 8)?;
             let mut out = Vec::new();
             for c in conc {
@@ -216,8 +238,10 @@ pub async fn run(a: Args) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())??;
         for (p, e) in points.iter_mut().zip(engine_points) {
-            let ratio_tps = p["mesh"]["output_tokens_per_s"].as_f64().unwrap_or(0.0) / e["output_tokens_per_s"].as_f64().unwrap_or(1.0);
-            let ratio_ttft = p["mesh"]["median_ttft_ms"].as_f64().unwrap_or(0.0) / e["median_ttft_ms"].as_f64().unwrap_or(1.0);
+            let ratio_tps = p["mesh"]["output_tokens_per_s"].as_f64().unwrap_or(0.0)
+                / e["output_tokens_per_s"].as_f64().unwrap_or(1.0);
+            let ratio_ttft =
+                p["mesh"]["median_ttft_ms"].as_f64().unwrap_or(0.0) / e["median_ttft_ms"].as_f64().unwrap_or(1.0);
             p["engine"] = e;
             p["mesh_over_engine"] = json!({ "output_tokens_per_s": ratio_tps, "median_ttft": ratio_ttft });
         }

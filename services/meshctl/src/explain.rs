@@ -95,7 +95,9 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
     let forward = child_of(spans, prefill, "prefill_forward");
     let xfer = child_of(spans, prefill, "kv_transfer");
     let decode_loop = find(spans, |s| s.name == "decode_loop");
-    let decode = decode_loop.and_then(|l| spans.iter().find(|s| s.span_id == l.parent_id)).or_else(|| find(spans, |s| is_rpc(s, "pdmesh.decode.v1.Decode/Generate", "server")));
+    let decode = decode_loop
+        .and_then(|l| spans.iter().find(|s| s.span_id == l.parent_id))
+        .or_else(|| find(spans, |s| is_rpc(s, "pdmesh.decode.v1.Decode/Generate", "server")));
     let admit = child_of(spans, decode, "admit");
     let detok = child_of(spans, router, "detokenize");
 
@@ -138,7 +140,13 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
             "router" => {
                 let route = find(spans, |s| s.name == "route");
                 let pick = route
-                    .map(|r| format!("picked {} and {}", r.attr_str("prefill.instance").unwrap_or("?"), r.attr_str("decode.instance").unwrap_or("?")))
+                    .map(|r| {
+                        format!(
+                            "picked {} and {}",
+                            r.attr_str("prefill.instance").unwrap_or("?"),
+                            r.attr_str("decode.instance").unwrap_or("?")
+                        )
+                    })
                     .unwrap_or_default();
                 format!("router {}; {pick}", instance(router))
             }
@@ -148,7 +156,9 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
                 int(queued, "prefill.running").unwrap_or(0),
                 int(queued, "prefill.queue_depth").unwrap_or(0),
                 instance(prefill),
-                int(queued, "queue.held_ms").map(|h| format!(" (queue held {h} ms by a fault switch)")).unwrap_or_default()
+                int(queued, "queue.held_ms")
+                    .map(|h| format!(" (queue held {h} ms by a fault switch)"))
+                    .unwrap_or_default()
             ),
             "prefill compute" => format!(
                 "{} prompt tokens in a batch of {} ({} tokens)",
@@ -192,14 +202,34 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
     };
     let parts: Vec<Part> = acc
         .iter()
-        .map(|(c, ns)| Part { cause: c, ms: ms(*ns), share: *ns as f64 / total as f64, detail: if *ns > 0 { detail(c) } else { String::new() } })
+        .map(|(c, ns)| Part {
+            cause: c,
+            ms: ms(*ns),
+            share: *ns as f64 / total as f64,
+            detail: if *ns > 0 { detail(c) } else { String::new() },
+        })
         .collect();
     let top = parts.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)).expect("causes are not empty");
-    let sentence = format!("{} took {:.0}% of the request ({:.0} of {:.0} ms): {}.", capitalise(top.cause), top.share * 100.0, top.ms, ms(total), top.detail);
+    let sentence = format!(
+        "{} took {:.0}% of the request ({:.0} of {:.0} ms): {}.",
+        capitalise(top.cause),
+        top.share * 100.0,
+        top.ms,
+        ms(total),
+        top.detail
+    );
     let mut services: Vec<String> = spans.iter().map(|s| s.service.clone()).collect();
     services.sort();
     services.dedup();
-    Ok(Explanation { trace_id, total_ms: ms(total), dominant: top.cause, sentence, parts, services, spans: spans.len() })
+    Ok(Explanation {
+        trace_id,
+        total_ms: ms(total),
+        dominant: top.cause,
+        sentence,
+        parts,
+        services,
+        spans: spans.len(),
+    })
 }
 
 fn capitalise(s: &str) -> String {
@@ -221,7 +251,13 @@ impl Explanation {
     }
 
     pub fn table(&self) -> String {
-        let mut out = format!("trace {}: {:.1} ms, {} spans from {}\n\n", self.trace_id, self.total_ms, self.spans, self.services.join(", "));
+        let mut out = format!(
+            "trace {}: {:.1} ms, {} spans from {}\n\n",
+            self.trace_id,
+            self.total_ms,
+            self.spans,
+            self.services.join(", ")
+        );
         out += &format!("{:<18} {:>10} {:>7}  {}\n", "where", "ms", "share", "detail");
         for p in &self.parts {
             out += &format!("{:<18} {:>10.1} {:>6.1}%  {}\n", p.cause, p.ms, p.share * 100.0, p.detail);

@@ -40,7 +40,9 @@ pub async fn run(a: Args) -> Result<(), String> {
     let input = if a.raw {
         pb::generate_request::Input::Prompt(a.text)
     } else {
-        pb::generate_request::Input::Chat(pb::ChatMessages { messages: vec![pb::ChatMessage { role: "user".into(), content: a.text }] })
+        pb::generate_request::Input::Chat(pb::ChatMessages {
+            messages: vec![pb::ChatMessage { role: "user".into(), content: a.text }],
+        })
     };
     let mut req = tonic::Request::new(pb::GenerateRequest {
         request_id: String::new(),
@@ -51,7 +53,11 @@ pub async fn run(a: Args) -> Result<(), String> {
         ignore_eos: false,
     });
     req.set_timeout(Duration::from_secs_f64(a.timeout_s.max(0.001)));
-    let mut s = pb::router_client::RouterClient::new(ch).generate(req).await.map_err(|e| format!("{:?}: {}", e.code(), e.message()))?.into_inner();
+    let mut s = pb::router_client::RouterClient::new(ch)
+        .generate(req)
+        .await
+        .map_err(|e| format!("{:?}: {}", e.code(), e.message()))?
+        .into_inner();
     let mut out = std::io::stdout();
     loop {
         match s.message().await {
@@ -63,7 +69,10 @@ pub async fn run(a: Args) -> Result<(), String> {
                 let u = f.usage.unwrap_or_default();
                 let reason = common::FinishReason::try_from(f.reason).map(|r| r.as_str_name()).unwrap_or("?");
                 println!();
-                eprintln!("[finish: {reason}; prompt {} tokens, completion {} tokens]", u.prompt_tokens, u.completion_tokens);
+                eprintln!(
+                    "[finish: {reason}; prompt {} tokens, completion {} tokens]",
+                    u.prompt_tokens, u.completion_tokens
+                );
                 return Ok(());
             }
             Ok(Some(_)) => {}

@@ -41,12 +41,15 @@ pub async fn explain_cmd(a: ExplainArgs) -> Result<(), String> {
                 return Err("--jaeger takes an http:// address".into());
             }
             let (addr, path) = (strip_scheme(url).to_string(), format!("/api/traces/{id}"));
-            let (code, body) = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&addr, &path, Duration::from_secs(10)))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("cannot reach Jaeger at {url}: {e}"))?;
+            let (code, body) =
+                tokio::task::spawn_blocking(move || pdmesh_core::http::get(&addr, &path, Duration::from_secs(10)))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| format!("cannot reach Jaeger at {url}: {e}"))?;
             if code == 404 {
-                return Err(format!("Jaeger at {url} does not know trace {id} (not sampled, not exported yet, or expired)"));
+                return Err(format!(
+                    "Jaeger at {url} does not know trace {id} (not sampled, not exported yet, or expired)"
+                ));
             }
             if code != 200 {
                 return Err(format!("Jaeger at {url} answered HTTP {code}"));
@@ -81,7 +84,12 @@ pub struct CollectArgs {
 
 pub async fn collect_cmd(a: CollectArgs) -> Result<(), String> {
     let sink = Sink::start(a.listen, Some(a.out.clone())).await?;
-    eprintln!("meshctl collect: receiving OTLP/gRPC on {} (start the mesh with --otlp-endpoint {}), writing {}", sink.addr, sink.endpoint(), a.out.display());
+    eprintln!(
+        "meshctl collect: receiving OTLP/gRPC on {} (start the mesh with --otlp-endpoint {}), writing {}",
+        sink.addr,
+        sink.endpoint(),
+        a.out.display()
+    );
     pdmesh_core::signal::shutdown_signal().await;
     eprintln!("meshctl collect: {} spans received", sink.spans().len());
     Ok(())
@@ -150,7 +158,9 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
     let trace_id = random_hex(16);
     let mut req = tonic::Request::new(pb::GenerateRequest {
         request_id: format!("probe-{}", &trace_id[..12]),
-        input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: vec![pb::ChatMessage { role: "user".into(), content: "Say hello.".into() }] })),
+        input: Some(pb::generate_request::Input::Chat(pb::ChatMessages {
+            messages: vec![pb::ChatMessage { role: "user".into(), content: "Say hello.".into() }],
+        })),
         sampling: Some(common::SamplingParams::default()),
         max_tokens: a.max_tokens,
         stop: vec![],
@@ -162,7 +172,11 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
         req.metadata_mut().insert("traceparent", v);
     }
     let t0 = Instant::now();
-    let mut s = pb::router_client::RouterClient::new(ch).generate(req).await.map_err(|e| format!("probe failed: {:?}: {}", e.code(), e.message()))?.into_inner();
+    let mut s = pb::router_client::RouterClient::new(ch)
+        .generate(req)
+        .await
+        .map_err(|e| format!("probe failed: {:?}: {}", e.code(), e.message()))?
+        .into_inner();
     let mut ttft = None;
     let fin = loop {
         match s.message().await {
@@ -180,7 +194,8 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
     let total = t0.elapsed();
     let after = worker_loads(&crate::status::collect(&a.registry_dir, ttl).await?);
     let chosen = [fin.prefill_worker.as_str(), fin.decode_worker.as_str()];
-    let pick = |list: &[Value], id: &str| list.iter().find(|i| i["id"] == id).map(|i| i["load"].clone()).unwrap_or(json!({}));
+    let pick =
+        |list: &[Value], id: &str| list.iter().find(|i| i["id"] == id).map(|i| i["load"].clone()).unwrap_or(json!({}));
     let report = json!({
         "ttft_ms": ttft.map(|t| t.as_secs_f64() * 1e3),
         "total_ms": total.as_secs_f64() * 1e3,

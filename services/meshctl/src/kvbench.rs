@@ -42,7 +42,8 @@ struct Sink {
 
 #[tonic::async_trait]
 impl dpb::decode_server::Decode for Sink {
-    type GenerateStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<dpb::GenerateResponse, Status>> + Send>>;
+    type GenerateStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<dpb::GenerateResponse, Status>> + Send>>;
     async fn generate(&self, _r: Request<dpb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         Err(Status::unimplemented("kvbench target"))
     }
@@ -78,7 +79,10 @@ async fn target(a: &Args) -> Result<(), String> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
     let grpc = l.local_addr().map_err(|e| e.to_string())?;
     let md = nixl.as_ref().map(|x| x.metadata()).transpose()?.unwrap_or_default();
-    println!("{}", json!({ "md": md.iter().map(|b| format!("{b:02x}")).collect::<String>(), "addr": addr, "len": n, "grpc": grpc.to_string() }));
+    println!(
+        "{}",
+        json!({ "md": md.iter().map(|b| format!("{b:02x}")).collect::<String>(), "addr": addr, "len": n, "grpc": grpc.to_string() })
+    );
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     let svc = dpb::decode_server::DecodeServer::from_arc(sink).max_decoding_message_size(64 << 20);
     let routes = tonic::service::Routes::new(svc);
@@ -110,7 +114,10 @@ pub async fn run(a: Args) -> Result<(), String> {
     let n = blocks * BLOCK_BYTES;
     let mut child = std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
         .args(["kvbench", "--target", "--tokens", &a.tokens.to_string()])
-        .args(["--kv-transport", if a.transport.kv_transport == transport::TransportChoice::Tcp { "tcp" } else { "auto" }])
+        .args([
+            "--kv-transport",
+            if a.transport.kv_transport == transport::TransportChoice::Tcp { "tcp" } else { "auto" },
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -138,7 +145,8 @@ pub async fn run(a: Args) -> Result<(), String> {
 
     let md_hex = info["md"].as_str().unwrap_or_default();
     if !md_hex.is_empty() && transport::choose(&a.transport)?.is_some() {
-        let md: Vec<u8> = (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
+        let md: Vec<u8> =
+            (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
         let nixl = Nixl::start("kvbench-source", src.as_ptr() as usize, n)?;
         let ids: Vec<u32> = (0..blocks as u32).collect();
         let (raddr, rlen) = (info["addr"].as_u64().unwrap_or(0) as usize, info["len"].as_u64().unwrap_or(0) as usize);
@@ -161,7 +169,8 @@ pub async fn run(a: Args) -> Result<(), String> {
     let mut t = Vec::new();
     for i in 0..a.rounds + 1 {
         let t0 = Instant::now();
-        let chunks: Vec<dpb::KvChunk> = src.chunks(a.chunk_bytes.max(1)).map(|c| dpb::KvChunk { data: c.to_vec(), ..Default::default() }).collect();
+        let chunks: Vec<dpb::KvChunk> =
+            src.chunks(a.chunk_bytes.max(1)).map(|c| dpb::KvChunk { data: c.to_vec(), ..Default::default() }).collect();
         let r = client.write_kv(tokio_stream::iter(chunks)).await.map_err(|e| e.to_string())?;
         if r.into_inner().bytes as usize != n {
             return Err("the TCP target received a different byte count".into());
@@ -171,7 +180,10 @@ pub async fn run(a: Args) -> Result<(), String> {
         }
     }
     let s = median(t);
-    report.insert("tcp".into(), json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_memcpy": memcpy / s, "chunk_bytes": a.chunk_bytes }));
+    report.insert(
+        "tcp".into(),
+        json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_memcpy": memcpy / s, "chunk_bytes": a.chunk_bytes }),
+    );
     drop(child.stdin.take());
     let _ = child.wait();
     report.insert("rounds".into(), json!(a.rounds));

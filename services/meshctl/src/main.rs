@@ -37,7 +37,9 @@ pub async fn router_addr(explicit: Option<&str>, registry_dir: &std::path::Path)
     }
     let reg = FileRegistry::new(registry_dir, std::time::Duration::from_secs(10));
     let list = reg.healthy("router").await.map_err(|e| e.to_string())?;
-    list.first().map(|i| i.grpc_addr.clone()).ok_or_else(|| format!("no live router in {} (is `meshctl up` running?)", registry_dir.display()))
+    list.first()
+        .map(|i| i.grpc_addr.clone())
+        .ok_or_else(|| format!("no live router in {} (is `meshctl up` running?)", registry_dir.display()))
 }
 
 #[derive(Parser)]

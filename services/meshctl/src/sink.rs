@@ -25,7 +25,10 @@ struct Receiver(Arc<Store>);
 
 #[tonic::async_trait]
 impl TraceService for Receiver {
-    async fn export(&self, req: tonic::Request<ExportTraceServiceRequest>) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+    async fn export(
+        &self,
+        req: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         let spans = from_otlp(req.get_ref());
         if let Some(f) = &self.0.file {
             let line = to_otlp_json(&spans).to_string();
@@ -49,7 +52,11 @@ impl Sink {
     pub async fn start(addr: SocketAddr, file: Option<PathBuf>) -> Result<Sink, String> {
         let file = match file {
             Some(p) => Some(Mutex::new(
-                std::fs::OpenOptions::new().create(true).append(true).open(&p).map_err(|e| format!("cannot open {}: {e}", p.display()))?,
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&p)
+                    .map_err(|e| format!("cannot open {}: {e}", p.display()))?,
             )),
             None => None,
         };
@@ -81,7 +88,14 @@ impl Sink {
 
     /// The spans of one trace.
     pub fn trace(&self, trace_id: &str) -> Vec<Span> {
-        self.store.spans.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|s| s.trace_id == trace_id).cloned().collect()
+        self.store
+            .spans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|s| s.trace_id == trace_id)
+            .cloned()
+            .collect()
     }
 
     /// Wait until `done` holds for the spans of `trace_id` (or `timeout`

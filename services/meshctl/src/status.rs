@@ -48,9 +48,15 @@ pub async fn collect(dir: &std::path::Path, ttl: Duration) -> Result<Vec<serde_j
             let (health, load) = match &inst.http_addr {
                 Some(h) => {
                     let h2 = h.clone();
-                    let health = tokio::task::spawn_blocking(move || get(&h2, "/health", Duration::from_secs(2))).await.ok().and_then(Result::ok);
+                    let health = tokio::task::spawn_blocking(move || get(&h2, "/health", Duration::from_secs(2)))
+                        .await
+                        .ok()
+                        .and_then(Result::ok);
                     let h3 = h.clone();
-                    let m = tokio::task::spawn_blocking(move || get(&h3, "/metrics", Duration::from_secs(2))).await.ok().and_then(Result::ok);
+                    let m = tokio::task::spawn_blocking(move || get(&h3, "/metrics", Duration::from_secs(2)))
+                        .await
+                        .ok()
+                        .and_then(Result::ok);
                     let health = match health {
                         Some((200, _)) => "healthy",
                         Some(_) => "not ready",
@@ -59,8 +65,12 @@ pub async fn collect(dir: &std::path::Path, ttl: Duration) -> Result<Vec<serde_j
                     let mut load = m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({}));
                     if matches!(s, "prefill" | "decode") {
                         let h4 = h.clone();
-                        let st = tokio::task::spawn_blocking(move || get(&h4, "/statusz", Duration::from_secs(2))).await.ok().and_then(Result::ok);
-                        let v: serde_json::Value = st.and_then(|(_, b)| serde_json::from_str(&b).ok()).unwrap_or_default();
+                        let st = tokio::task::spawn_blocking(move || get(&h4, "/statusz", Duration::from_secs(2)))
+                            .await
+                            .ok()
+                            .and_then(Result::ok);
+                        let v: serde_json::Value =
+                            st.and_then(|(_, b)| serde_json::from_str(&b).ok()).unwrap_or_default();
                         if let Some(t) = v["config"]["transport"].as_str() {
                             load["transport"] = json!(t);
                         }
@@ -78,7 +88,11 @@ pub async fn collect(dir: &std::path::Path, ttl: Duration) -> Result<Vec<serde_j
 pub async fn run(a: Args) -> Result<(), String> {
     let list = collect(&a.registry_dir, Duration::from_secs(a.registry_ttl_s.max(1))).await?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&json!({ "registry_dir": a.registry_dir, "instances": list })).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "registry_dir": a.registry_dir, "instances": list }))
+                .unwrap_or_default()
+        );
         return Ok(());
     }
     if list.is_empty() {
@@ -87,7 +101,10 @@ pub async fn run(a: Args) -> Result<(), String> {
     }
     println!("{:<10} {:<14} {:<22} {:<22} {:<12} load", "SERVICE", "ID", "ADDR", "HTTP", "HEALTH");
     for i in &list {
-        let load = i["load"].as_object().map(|o| o.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
+        let load = i["load"]
+            .as_object()
+            .map(|o| o.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default();
         println!(
             "{:<10} {:<14} {:<22} {:<22} {:<12} {}",
             i["service"].as_str().unwrap_or(""),

@@ -87,7 +87,10 @@ pub fn from_otlp(req: &ExportTraceServiceRequest) -> Vec<Span> {
         for ss in &rs.scope_spans {
             for s in &ss.spans {
                 let attrs = attrs_map(&s.attributes);
-                let service = res_service.clone().or_else(|| attrs.get("service.name").and_then(|v| v.as_str()).map(str::to_string)).unwrap_or_default();
+                let service = res_service
+                    .clone()
+                    .or_else(|| attrs.get("service.name").and_then(|v| v.as_str()).map(str::to_string))
+                    .unwrap_or_default();
                 out.push(Span {
                     trace_id: hex(&s.trace_id),
                     span_id: hex(&s.span_id),
@@ -179,7 +182,9 @@ fn json_attrs(v: Option<&Value>) -> BTreeMap<String, Value> {
     v.and_then(|a| a.as_array())
         .map(|a| {
             a.iter()
-                .filter_map(|kv| Some((kv.get("key")?.as_str()?.to_string(), kv.get("value").map(json_value).unwrap_or(Value::Null))))
+                .filter_map(|kv| {
+                    Some((kv.get("key")?.as_str()?.to_string(), kv.get("value").map(json_value).unwrap_or(Value::Null)))
+                })
                 .collect()
         })
         .unwrap_or_default()
@@ -238,7 +243,10 @@ pub fn from_otlp_json(doc: &Value) -> Vec<Span> {
         for ss in rs.get("scopeSpans").and_then(|v| v.as_array()).into_iter().flatten() {
             for s in ss.get("spans").and_then(|v| v.as_array()).into_iter().flatten() {
                 let attrs = json_attrs(s.get("attributes"));
-                let service = res_service.clone().or_else(|| attrs.get("service.name").and_then(|v| v.as_str()).map(str::to_string)).unwrap_or_default();
+                let service = res_service
+                    .clone()
+                    .or_else(|| attrs.get("service.name").and_then(|v| v.as_str()).map(str::to_string))
+                    .unwrap_or_default();
                 let kind = match s.get("kind") {
                     Some(Value::Number(n)) => kind_name(n.as_i64().unwrap_or(0) as i32).to_string(),
                     Some(Value::String(k)) => k.trim_start_matches("SPAN_KIND_").to_ascii_lowercase(),
@@ -261,7 +269,10 @@ pub fn from_otlp_json(doc: &Value) -> Vec<Span> {
                         .flatten()
                         .map(|l| (json_id(l.get("traceId"), 16), json_id(l.get("spanId"), 8)))
                         .collect(),
-                    error: s.get("status").and_then(|st| st.get("code")).is_some_and(|c| c == 2 || c == "STATUS_CODE_ERROR"),
+                    error: s
+                        .get("status")
+                        .and_then(|st| st.get("code"))
+                        .is_some_and(|c| c == 2 || c == "STATUS_CODE_ERROR"),
                 });
             }
         }
@@ -275,7 +286,8 @@ pub fn read_otlp_file(path: &std::path::Path, trace_id: &str) -> Result<Vec<Span
     let want = trace_id.to_ascii_lowercase();
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let doc: Value = serde_json::from_str(line).map_err(|e| format!("{} line {}: not JSON: {e}", path.display(), i + 1))?;
+        let doc: Value =
+            serde_json::from_str(line).map_err(|e| format!("{} line {}: not JSON: {e}", path.display(), i + 1))?;
         out.extend(from_otlp_json(&doc).into_iter().filter(|s| s.trace_id == want));
     }
     Ok(out)
@@ -294,8 +306,14 @@ pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
             }
         }
         let pid = s.get("processID").and_then(|v| v.as_str()).unwrap_or_default();
-        let service = processes.get(pid).and_then(|p| p.get("serviceName")).and_then(|v| v.as_str()).unwrap_or_default().to_string();
-        let refs: Vec<&Value> = s.get("references").and_then(|v| v.as_array()).map(|r| r.iter().collect()).unwrap_or_default();
+        let service = processes
+            .get(pid)
+            .and_then(|p| p.get("serviceName"))
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string();
+        let refs: Vec<&Value> =
+            s.get("references").and_then(|v| v.as_array()).map(|r| r.iter().collect()).unwrap_or_default();
         let parent = refs
             .iter()
             .find(|r| r.get("refType").and_then(|t| t.as_str()) == Some("CHILD_OF"))
@@ -311,7 +329,8 @@ pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
         let start_us = s.get("startTime").and_then(|v| v.as_u64()).unwrap_or(0);
         let dur_us = s.get("duration").and_then(|v| v.as_u64()).unwrap_or(0);
         let kind = attrs.get("span.kind").and_then(|v| v.as_str()).unwrap_or("internal").to_string();
-        let error = attrs.get("error").is_some_and(|v| v == true) || attrs.get("otel.status_code").is_some_and(|v| v == "ERROR");
+        let error = attrs.get("error").is_some_and(|v| v == true)
+            || attrs.get("otel.status_code").is_some_and(|v| v == "ERROR");
         out.push(Span {
             trace_id: s.get("traceID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
             span_id: s.get("spanID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
@@ -343,7 +362,16 @@ pub fn parse_trace_id(s: &str) -> Result<String, String> {
 mod tests {
     use super::*;
 
-    fn span(id: &str, parent: &str, name: &str, service: &str, kind: &str, start_ms: u64, end_ms: u64, attrs: &[(&str, Value)]) -> Span {
+    fn span(
+        id: &str,
+        parent: &str,
+        name: &str,
+        service: &str,
+        kind: &str,
+        start_ms: u64,
+        end_ms: u64,
+        attrs: &[(&str, Value)],
+    ) -> Span {
         Span {
             trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
             span_id: id.into(),
@@ -361,16 +389,97 @@ mod tests {
 
     fn sample() -> Vec<Span> {
         vec![
-            span("0000000000000001", "", "POST /v1/chat/completions", "pdmesh-gateway", "server", 0, 1000, &[("gateway.client_tail_ms", json!(100.0))]),
-            span("0000000000000002", "0000000000000001", "pdmesh.router.v1.Router/Generate", "pdmesh-router", "server", 2, 890, &[]),
-            span("0000000000000003", "0000000000000002", "tokenize", "pdmesh-router", "internal", 3, 8, &[("prompt_tokens", json!(30))]),
-            span("0000000000000004", "0000000000000002", "pdmesh.prefill.v1.Prefill/Prefill", "pdmesh-prefill", "server", 10, 400, &[]),
-            span("0000000000000005", "0000000000000004", "queued", "pdmesh-prefill", "internal", 11, 300, &[("prefill.running", json!(3)), ("prefill.queue_depth", json!(5))]),
-            span("0000000000000006", "0000000000000004", "prefill_forward", "pdmesh-prefill", "internal", 300, 350, &[]),
-            span("0000000000000007", "0000000000000004", "kv_transfer", "pdmesh-prefill", "internal", 352, 398, &[("kv.transport", json!("nixl"))]),
-            span("0000000000000008", "0000000000000002", "pdmesh.decode.v1.Decode/Generate", "pdmesh-decode", "server", 10, 880, &[]),
+            span(
+                "0000000000000001",
+                "",
+                "POST /v1/chat/completions",
+                "pdmesh-gateway",
+                "server",
+                0,
+                1000,
+                &[("gateway.client_tail_ms", json!(100.0))],
+            ),
+            span(
+                "0000000000000002",
+                "0000000000000001",
+                "pdmesh.router.v1.Router/Generate",
+                "pdmesh-router",
+                "server",
+                2,
+                890,
+                &[],
+            ),
+            span(
+                "0000000000000003",
+                "0000000000000002",
+                "tokenize",
+                "pdmesh-router",
+                "internal",
+                3,
+                8,
+                &[("prompt_tokens", json!(30))],
+            ),
+            span(
+                "0000000000000004",
+                "0000000000000002",
+                "pdmesh.prefill.v1.Prefill/Prefill",
+                "pdmesh-prefill",
+                "server",
+                10,
+                400,
+                &[],
+            ),
+            span(
+                "0000000000000005",
+                "0000000000000004",
+                "queued",
+                "pdmesh-prefill",
+                "internal",
+                11,
+                300,
+                &[("prefill.running", json!(3)), ("prefill.queue_depth", json!(5))],
+            ),
+            span(
+                "0000000000000006",
+                "0000000000000004",
+                "prefill_forward",
+                "pdmesh-prefill",
+                "internal",
+                300,
+                350,
+                &[],
+            ),
+            span(
+                "0000000000000007",
+                "0000000000000004",
+                "kv_transfer",
+                "pdmesh-prefill",
+                "internal",
+                352,
+                398,
+                &[("kv.transport", json!("nixl"))],
+            ),
+            span(
+                "0000000000000008",
+                "0000000000000002",
+                "pdmesh.decode.v1.Decode/Generate",
+                "pdmesh-decode",
+                "server",
+                10,
+                880,
+                &[],
+            ),
             span("0000000000000009", "0000000000000008", "admit", "pdmesh-decode", "internal", 10, 15, &[]),
-            span("000000000000000a", "0000000000000008", "decode_loop", "pdmesh-decode", "internal", 400, 880, &[("decode.steps", json!(31))]),
+            span(
+                "000000000000000a",
+                "0000000000000008",
+                "decode_loop",
+                "pdmesh-decode",
+                "internal",
+                400,
+                880,
+                &[("decode.steps", json!(31))],
+            ),
         ]
     }
 
@@ -417,7 +526,10 @@ mod tests {
         let e = crate::explain::explain(&sample()).unwrap();
         let get = |c: &str| e.parts.iter().find(|p| p.cause == c).unwrap().ms;
         assert!((e.total_ms - 1000.0).abs() < 1e-6);
-        assert!((get("gateway/proxy") - (2.0 + 10.0)).abs() < 1e-6, "before the router and after it until the client's backlog");
+        assert!(
+            (get("gateway/proxy") - (2.0 + 10.0)).abs() < 1e-6,
+            "before the router and after it until the client's backlog"
+        );
         assert!((get("tokenize") - 5.0).abs() < 1e-6);
         assert!((get("queue wait") - 289.0).abs() < 1e-6);
         assert!((get("prefill compute") - 50.0).abs() < 1e-6);

@@ -129,7 +129,11 @@ impl Svc {
     }
 
     fn spawn(&mut self) -> Result<(), String> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(|e| format!("{}: {e}", self.log.display()))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|e| format!("{}: {e}", self.log.display()))?;
         let err = log.try_clone().map_err(|e| e.to_string())?;
         let child = Command::new(&self.bin)
             .args(&self.args)
@@ -149,16 +153,30 @@ impl Svc {
         loop {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(st)) = c.try_wait() {
-                    return Err(format!("{} exited ({st}) before becoming healthy; last lines of {}:\n{}", self.name, self.log.display(), log_tail(&self.log)));
+                    return Err(format!(
+                        "{} exited ({st}) before becoming healthy; last lines of {}:\n{}",
+                        self.name,
+                        self.log.display(),
+                        log_tail(&self.log)
+                    ));
                 }
             }
             let h = self.http.clone();
-            let ok = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/health", Duration::from_secs(2))).await.ok().and_then(Result::ok);
+            let ok = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/health", Duration::from_secs(2)))
+                .await
+                .ok()
+                .and_then(Result::ok);
             if matches!(ok, Some((200, _))) {
                 return Ok(());
             }
             if t0.elapsed() > timeout {
-                return Err(format!("{} not healthy after {} s; last lines of {}:\n{}", self.name, timeout.as_secs(), self.log.display(), log_tail(&self.log)));
+                return Err(format!(
+                    "{} not healthy after {} s; last lines of {}:\n{}",
+                    self.name,
+                    timeout.as_secs(),
+                    self.log.display(),
+                    log_tail(&self.log)
+                ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -182,11 +200,19 @@ impl Svc {
 pub async fn run(a: Args) -> Result<(), String> {
     let bin_dir = match &a.bin_dir {
         Some(d) => d.clone(),
-        None => std::env::current_exe().map_err(|e| e.to_string())?.parent().map(Path::to_path_buf).ok_or("no folder for meshctl")?,
+        None => std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .parent()
+            .map(Path::to_path_buf)
+            .ok_or("no folder for meshctl")?,
     };
     let reg = FileRegistry::new(&a.registry_dir, Duration::from_secs(10));
     if let Some(g) = reg.healthy("gateway").await.map_err(|e| e.to_string())?.first() {
-        return Err(format!("a mesh is already running with registry {} (gateway at {}); stop it or give another --registry-dir", a.registry_dir.display(), g.grpc_addr));
+        return Err(format!(
+            "a mesh is already running with registry {} (gateway at {}); stop it or give another --registry-dir",
+            a.registry_dir.display(),
+            g.grpc_addr
+        ));
     }
     std::fs::create_dir_all(&a.registry_dir).map_err(|e| format!("{}: {e}", a.registry_dir.display()))?;
     let log_dir = a.log_dir.clone().unwrap_or_else(|| a.registry_dir.parent().unwrap_or(Path::new(".")).join("logs"));
@@ -195,7 +221,10 @@ pub async fn run(a: Args) -> Result<(), String> {
         Some(m) => m.clone(),
         None => {
             eprintln!("meshctl: making sure the model is in the cache (first run downloads it)");
-            tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model).await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?
+            tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model)
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?
         }
     };
     let model = model.display().to_string();
@@ -214,7 +243,16 @@ pub async fn run(a: Args) -> Result<(), String> {
             let id = format!("{name}-{r}");
             let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
             let http = free_addr()?;
-            let mut args = vec!["--listen".into(), listen, "--http-listen".into(), http.clone(), "--registry-dir".into(), reg_dir.clone(), "--instance-id".into(), id.clone()];
+            let mut args = vec![
+                "--listen".into(),
+                listen,
+                "--http-listen".into(),
+                http.clone(),
+                "--registry-dir".into(),
+                reg_dir.clone(),
+                "--instance-id".into(),
+                id.clone(),
+            ];
             if a.enable_fault_injection {
                 args.push("--enable-fault-injection".into());
             }
@@ -233,7 +271,11 @@ pub async fn run(a: Args) -> Result<(), String> {
             match name {
                 "tokenizer" => args.extend(["--model".into(), model.clone()]),
                 "prefill" | "decode" => {
-                    let (blocks, batch) = if name == "decode" { (a.decode_kv_blocks, a.decode_max_batch) } else { (a.prefill_kv_blocks, 32) };
+                    let (blocks, batch) = if name == "decode" {
+                        (a.decode_kv_blocks, a.decode_max_batch)
+                    } else {
+                        (a.prefill_kv_blocks, 32)
+                    };
                     args.extend([
                         "--model".into(),
                         model.clone(),

@@ -24,7 +24,13 @@ async fn works(mesh: &Mesh) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kv_transfer_faults_free_everything() {
-    let mesh = Mesh::up(&["--decode-lease-ms", &LEASE_MS.to_string(), "--enable-fault-injection", "--decode-kv-blocks", "600"]);
+    let mesh = Mesh::up(&[
+        "--decode-lease-ms",
+        &LEASE_MS.to_string(),
+        "--enable-fault-injection",
+        "--decode-kv-blocks",
+        "600",
+    ]);
     let mut router = mesh.router().await;
     works(&mesh).await;
 
@@ -73,7 +79,9 @@ async fn kv_transfer_faults_free_everything() {
     // 5. The decode dies during the transfer.
     mesh.fault("prefill", "prefill.transfer_delay_ms", 1500).await;
     let mut r2 = router.clone();
-    let req = tokio::spawn(async move { tokio::time::timeout(Duration::from_secs(15), run(&mut r2, raw_request("Hello again", 8))).await });
+    let req = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(15), run(&mut r2, raw_request("Hello again", 8))).await
+    });
     tokio::time::sleep(Duration::from_millis(500)).await;
     mesh.kill_and_wait("decode").await;
     let e = req.await.unwrap().expect("ends promptly").expect_err("the request must fail");
@@ -87,7 +95,9 @@ async fn kv_transfer_faults_free_everything() {
     let mut inflight = Vec::new();
     for i in 0..3 {
         let mut r2 = router.clone();
-        inflight.push(tokio::spawn(async move { tokio::time::timeout(Duration::from_secs(15), run(&mut r2, raw_request(&format!("Count to {i}"), 8))).await }));
+        inflight.push(tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(15), run(&mut r2, raw_request(&format!("Count to {i}"), 8))).await
+        }));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     mesh.kill_and_wait("kvbroker").await;
@@ -164,5 +174,8 @@ async fn cancel_storm_leaves_nothing_pinned() {
     let mut r = router.clone();
     run(&mut r, raw_request("The capital of France is", 16)).await.unwrap();
     let after = t0.elapsed();
-    assert!(after < baseline * 3 + Duration::from_millis(300), "after the storm a request took {after:?}, before {baseline:?}");
+    assert!(
+        after < baseline * 3 + Duration::from_millis(300),
+        "after the storm a request took {after:?}, before {baseline:?}"
+    );
 }

@@ -23,9 +23,14 @@ async fn assert_nothing_held(mesh: &Mesh) {
             && mesh.gauge("kvbroker", "pdmesh_kvbroker_tickets{state=\"claimed\"}").await == 0.0
     })
     .await;
-    assert!(ok, "blocks or tickets still held:\n{}\n{}\n{}", mesh.metrics("decode").await, mesh.metrics("prefill").await, mesh.metrics("kvbroker").await);
+    assert!(
+        ok,
+        "blocks or tickets still held:\n{}\n{}\n{}",
+        mesh.metrics("decode").await,
+        mesh.metrics("prefill").await,
+        mesh.metrics("kvbroker").await
+    );
 }
-
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mesh_end_to_end() {
@@ -39,7 +44,11 @@ async fn mesh_end_to_end() {
         let o = run(&mut router, chat_request(item["prompt"].as_str().unwrap(), 32, true)).await.expect("request");
         assert_eq!(o.ids, want, "prompt {:?}", item["prompt"]);
         let u = o.finished.as_ref().unwrap().usage.unwrap();
-        assert_eq!(u.prompt_tokens as usize, item["chat_ids"].as_array().unwrap().len(), "prompt tokens = the chat template's ids");
+        assert_eq!(
+            u.prompt_tokens as usize,
+            item["chat_ids"].as_array().unwrap().len(),
+            "prompt tokens = the chat template's ids"
+        );
         assert_eq!(u.completion_tokens, 32);
         // Stopping at EOS: the golden greedy text exactly.
         let o = run(&mut router, chat_request(item["prompt"].as_str().unwrap(), 64, false)).await.expect("request");
@@ -76,7 +85,8 @@ async fn mesh_end_to_end() {
     for (body, status, needle) in cases {
         let (st, resp) = mesh.post("/v1/chat/completions", &body, &[]);
         assert_eq!(st, status, "{}: {resp}", &body[..body.len().min(80)]);
-        let v: serde_json::Value = serde_json::from_str(&resp).unwrap_or_else(|_| panic!("error body is not JSON: {resp}"));
+        let v: serde_json::Value =
+            serde_json::from_str(&resp).unwrap_or_else(|_| panic!("error body is not JSON: {resp}"));
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
     }
@@ -84,13 +94,21 @@ async fn mesh_end_to_end() {
     assert_eq!(st, 200, "{resp}");
     // A client that reuses its request id is served every time.
     for _ in 0..2 {
-        let (st, resp) = mesh.post("/v1/chat/completions", &chat_body("Say hi", r#","max_tokens":4"#), &[("x-request-id", "client-retry-1")]);
+        let (st, resp) = mesh.post(
+            "/v1/chat/completions",
+            &chat_body("Say hi", r#","max_tokens":4"#),
+            &[("x-request-id", "client-retry-1")],
+        );
         assert_eq!(st, 200, "{resp}");
         assert!(resp.contains("\"id\":\"client-retry-1\""), "{resp}");
     }
 
     // 3. Deadline shorter than the work: 504, nothing leaked.
-    let (st, resp) = mesh.post("/v1/chat/completions", &chat_body("Tell a long story", r#","max_tokens":150,"ignore_eos":true"#), &[("x-request-timeout", "0.5")]);
+    let (st, resp) = mesh.post(
+        "/v1/chat/completions",
+        &chat_body("Tell a long story", r#","max_tokens":150,"ignore_eos":true"#),
+        &[("x-request-timeout", "0.5")],
+    );
     assert_eq!(st, 504, "{resp}");
     assert_nothing_held(&mesh).await;
 
@@ -98,9 +116,18 @@ async fn mesh_end_to_end() {
     // the next one get 429 at once; a client disconnect frees the blocks
     // (seen in /metrics) and requests succeed again.
     let gw = mesh.gateway.clone();
-    let hog = std::thread::spawn(move || start_stream(&gw, &chat_body("Count slowly to a million", r#","max_tokens":3000,"ignore_eos":true,"stream":true"#), 4));
+    let hog = std::thread::spawn(move || {
+        start_stream(
+            &gw,
+            &chat_body("Count slowly to a million", r#","max_tokens":3000,"ignore_eos":true,"stream":true"#),
+            4,
+        )
+    });
     assert!(
-        eventually_async(Duration::from_secs(60), || async { mesh.gauge("decode", "pdmesh_decode_running").await == 1.0 }).await,
+        eventually_async(Duration::from_secs(60), || async {
+            mesh.gauge("decode", "pdmesh_decode_running").await == 1.0
+        })
+        .await,
         "the long request never started"
     );
     let conn = tokio::task::spawn_blocking(move || hog.join().unwrap()).await.unwrap();

@@ -10,7 +10,10 @@ use std::process::Command;
 fn official_openai_client_gets_correct_answers() {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
     let probe = Command::new("python3").args(["-c", "import openai"]).status().expect("python3");
-    assert!(probe.success(), "the `openai` Python package is missing: python3 -m pip install openai (CI does this in .ci/run)");
+    assert!(
+        probe.success(),
+        "the `openai` Python package is missing: python3 -m pip install openai (CI does this in .ci/run)"
+    );
     let mesh = common::Mesh::up(&[]);
     let out = Command::new("python3")
         .arg(format!("{root}/scripts/openai_client_check.py"))

@@ -14,7 +14,18 @@ use pdmesh_testkit::eventually_async;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_decode_workers_share_the_load() {
-    let mesh = Mesh::up(&["--decode-replicas", "2", "--decode-kv-blocks", "200", "--prefill-replicas", "1", "--threads", "1", "--kv-transport", "tcp"]);
+    let mesh = Mesh::up(&[
+        "--decode-replicas",
+        "2",
+        "--decode-kv-blocks",
+        "200",
+        "--prefill-replicas",
+        "1",
+        "--threads",
+        "1",
+        "--kv-transport",
+        "tcp",
+    ]);
     assert!(eventually_async(Duration::from_secs(30), || async { mesh.metrics_all("decode").await.len() == 2 }).await);
     let router = mesh.router().await;
     common::golden_at_once(&router, 8).await;
@@ -27,7 +38,15 @@ async fn two_decode_workers_share_the_load() {
     }
 
     // Fill one decode; the next long request must land on the other.
-    let hog = |gw: String| std::thread::spawn(move || start_stream(&gw, &chat_body("Count to a million", r#","max_tokens":3000,"ignore_eos":true,"stream":true"#), 3));
+    let hog = |gw: String| {
+        std::thread::spawn(move || {
+            start_stream(
+                &gw,
+                &chat_body("Count to a million", r#","max_tokens":3000,"ignore_eos":true,"stream":true"#),
+                3,
+            )
+        })
+    };
     let first = tokio::task::spawn_blocking({
         let h = hog(mesh.gateway.clone());
         move || h.join().unwrap()
@@ -40,7 +59,12 @@ async fn two_decode_workers_share_the_load() {
     })
     .await
     .unwrap();
-    let used: Vec<f64> = mesh.metrics_all("decode").await.iter().map(|(_, m)| metric(m, "pdmesh_decode_kv_blocks_used").unwrap()).collect();
+    let used: Vec<f64> = mesh
+        .metrics_all("decode")
+        .await
+        .iter()
+        .map(|(_, m)| metric(m, "pdmesh_decode_kv_blocks_used").unwrap())
+        .collect();
     assert!(used.iter().all(|u| *u >= 180.0), "each decode should hold one long request: {used:?}");
     let (st, resp) = mesh.post("/v1/chat/completions", &chat_body("hi", r#","max_tokens":500"#), &[]);
     assert_eq!(st, 429, "both decodes are full: {resp}");
@@ -53,7 +77,11 @@ async fn two_decode_workers_share_the_load() {
     );
     // Admitted again (200 and tokens flowing); no need to wait for the end.
     let gw = mesh.gateway.clone();
-    let third = tokio::task::spawn_blocking(move || start_stream(&gw, &chat_body("hi", r#","max_tokens":500,"stream":true"#), 2)).await.unwrap();
+    let third = tokio::task::spawn_blocking(move || {
+        start_stream(&gw, &chat_body("hi", r#","max_tokens":500,"stream":true"#), 2)
+    })
+    .await
+    .unwrap();
     drop(third);
     drop(second);
 }

@@ -15,7 +15,8 @@ use pdmesh_meshctl::explain::{explain, Explanation};
 use pdmesh_meshctl::sink::Sink;
 use pdmesh_meshctl::trace::Span;
 
-const SERVICES: [&str; 6] = ["pdmesh-gateway", "pdmesh-router", "pdmesh-tokenizer", "pdmesh-prefill", "pdmesh-decode", "pdmesh-kvbroker"];
+const SERVICES: [&str; 6] =
+    ["pdmesh-gateway", "pdmesh-router", "pdmesh-tokenizer", "pdmesh-prefill", "pdmesh-decode", "pdmesh-kvbroker"];
 
 fn ids(spans: &[Span]) -> HashSet<&str> {
     spans.iter().map(|s| s.span_id.as_str()).collect()
@@ -110,7 +111,8 @@ fn timed_stream(gateway: &str, body: &str) -> (String, Vec<f64>, f64) {
     let total = t0.elapsed().as_secs_f64();
     assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
     let head = raw.split("\r\n\r\n").next().unwrap();
-    let tid = head.lines().find_map(|l| l.strip_prefix("x-pdmesh-trace-id: ")).expect("trace id header").trim().to_string();
+    let tid =
+        head.lines().find_map(|l| l.strip_prefix("x-pdmesh-trace-id: ")).expect("trace id header").trim().to_string();
     (tid, times, total)
 }
 
@@ -128,7 +130,11 @@ fn check_attribution(e: &Explanation, cause: &str, expected: f64, what: &str) {
     eprintln!("{what}:\n{}", e.table());
     assert_eq!(e.dominant, cause, "{what}: dominant cause\n{}", e.table());
     let got = share(e, cause);
-    assert!((got - expected).abs() <= 0.10 * expected, "{what}: {cause} share {got:.3}, planted delay's share {expected:.3} (more than 10% apart)\n{}", e.table());
+    assert!(
+        (got - expected).abs() <= 0.10 * expected,
+        "{what}: {cause} share {got:.3}, planted delay's share {expected:.3} (more than 10% apart)\n{}",
+        e.table()
+    );
     let sum: f64 = e.parts.iter().map(|p| p.share).sum();
     assert!((sum - 1.0).abs() < 0.01, "{what}: shares add up to {sum}");
 }
@@ -141,13 +147,22 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     let _ = std::fs::remove_file(&file);
     let sink = Sink::start("127.0.0.1:0".parse().unwrap(), Some(file.clone())).await.unwrap();
     let ep = sink.endpoint();
-    let mesh = Mesh::up(&["--otlp-endpoint", &ep, "--trace-export-delay-ms", "100", "--trace-kernel-steps", "1", "--enable-fault-injection"]);
+    let mesh = Mesh::up(&[
+        "--otlp-endpoint",
+        &ep,
+        "--trace-export-delay-ms",
+        "100",
+        "--trace-kernel-steps",
+        "1",
+        "--enable-fault-injection",
+    ]);
 
     // 1. One streamed request, continuing a caller's trace context.
     let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let caller_span = "00f067aa0ba902b7";
     let body = chat_body("Tell me a fact about the sea.", r#","max_tokens":12,"stream":true"#);
-    let (code, tid, text) = send(&mesh.gateway, body, vec![("traceparent".into(), format!("00-{caller_trace}-{caller_span}-01"))]).await;
+    let (code, tid, text) =
+        send(&mesh.gateway, body, vec![("traceparent".into(), format!("00-{caller_trace}-{caller_span}-01"))]).await;
     assert_eq!(code, 200, "{text}");
     assert!(text.contains("[DONE]"), "{text}");
     assert_eq!(tid.as_deref(), Some(caller_trace), "the gateway continues the caller's trace");
@@ -164,7 +179,11 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     }
     for s in &spans {
         assert_eq!(s.attr_str("service.name"), Some(s.service.as_str()), "service.name repeated on span {}", s.name);
-        assert!(s.attr_str("service.instance.id").is_some() && s.attr_str("pdmesh.config_hash").is_some(), "identity on span {}", s.name);
+        assert!(
+            s.attr_str("service.instance.id").is_some() && s.attr_str("pdmesh.config_hash").is_some(),
+            "identity on span {}",
+            s.name
+        );
     }
     // The span model, in causal order.
     let gw = root[0];
@@ -191,7 +210,10 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     for w in [router, decode, admit, dloop].windows(2) {
         assert!(w[0].start_ns <= w[1].start_ns, "{} starts after {}", w[0].name, w[1].name);
     }
-    assert!(open.start_ns >= admit.start_ns && claim.start_ns >= open.start_ns, "ticket opened by admission, then claimed");
+    assert!(
+        open.start_ns >= admit.start_ns && claim.start_ns >= open.start_ns,
+        "ticket opened by admission, then claimed"
+    );
     // Parents: who calls whom.
     let has = |s: &Span, a: &Span| ancestors(&spans, s).iter().any(|x| x.span_id == a.span_id);
     assert_eq!(tokenize.parent_id, router.span_id);
@@ -200,7 +222,10 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     assert!(has(dloop, decode) && has(decode, router) && has(admit, decode));
     assert!(has(xfer, prefill) && has(claim, prefill) && has(open, admit));
     assert_eq!(pstep.parent_id, forward.span_id, "the prefill step hangs under the request's forward span");
-    assert!(pstep.links.iter().any(|(t, s)| t == caller_trace && s == &forward.span_id), "the step links to the request");
+    assert!(
+        pstep.links.iter().any(|(t, s)| t == caller_trace && s == &forward.span_id),
+        "the step links to the request"
+    );
     // The transfer says what moved how.
     assert!(xfer.attr_f64("kv.bytes").unwrap_or(0.0) > 0.0, "{xfer:?}");
     assert!(matches!(xfer.attr_str("kv.transport"), Some("nixl" | "tcp")), "{xfer:?}");
@@ -208,7 +233,10 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     assert!(admit.attr_f64("decode.running").is_some());
     // Kernel spans: under the prefill step (step 1), none under decode steps (--trace-kernel-steps 1).
     let kernels: Vec<&Span> = spans.iter().filter(|s| s.attrs.contains_key("kernel.backend")).collect();
-    assert!(kernels.iter().any(|k| k.parent_id == pstep.span_id && k.name.starts_with("matmul")), "no kernel spans under the prefill step");
+    assert!(
+        kernels.iter().any(|k| k.parent_id == pstep.span_id && k.name.starts_with("matmul")),
+        "no kernel spans under the prefill step"
+    );
     for k in &kernels {
         assert!(k.attr_f64("knob.tile_b").is_some() && k.attr_f64("kernel.m").is_some(), "{k:?}");
         assert!(!ancestors(&spans, k).iter().any(|a| a.name == "decode_step"), "kernel span under a decode step");
@@ -216,7 +244,10 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     let dsteps = spans.iter().filter(|s| s.name == "decode_step").count();
     assert!(dsteps >= 10, "{dsteps} decode steps in the trace");
     // Streaming keeps the chain: the gateway's span ends after the last token.
-    assert!(gw.end_ns >= dloop.end_ns && router.end_ns >= dloop.end_ns, "gateway/router spans end before decoding ended");
+    assert!(
+        gw.end_ns >= dloop.end_ns && router.end_ns >= dloop.end_ns,
+        "gateway/router spans end before decoding ended"
+    );
     assert!(gw.attr_f64("gateway.chunks").unwrap_or(0.0) >= 3.0);
 
     // 2. 16 at once: 16 separate complete traces; step spans link several.
@@ -225,7 +256,16 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
         let g = mesh.gateway.clone();
         let stream = if i % 2 == 0 { "true" } else { "false" };
         handles.push(tokio::task::spawn_blocking(move || {
-            post_header(&g, "/v1/chat/completions", &chat_body(&format!("Give me word number {i}."), &format!(r#","max_tokens":16,"ignore_eos":true,"stream":{stream}"#)), &[], "x-pdmesh-trace-id")
+            post_header(
+                &g,
+                "/v1/chat/completions",
+                &chat_body(
+                    &format!("Give me word number {i}."),
+                    &format!(r#","max_tokens":16,"ignore_eos":true,"stream":{stream}"#),
+                ),
+                &[],
+                "x-pdmesh-trace-id",
+            )
         }));
     }
     let mut tids = HashSet::new();
@@ -289,7 +329,18 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     assert!((v["total_ms"].as_f64().unwrap() - e.total_ms).abs() < 0.01, "{v}");
 
     // A decode saturated with other requests: 12 long streams running.
-    let busy: Vec<_> = (0..12).map(|i| start_stream(&mesh.gateway, &chat_body(&format!("Write a long story number {i}."), r#","max_tokens":600,"ignore_eos":true,"stream":true"#), 3)).collect();
+    let busy: Vec<_> = (0..12)
+        .map(|i| {
+            start_stream(
+                &mesh.gateway,
+                &chat_body(
+                    &format!("Write a long story number {i}."),
+                    r#","max_tokens":600,"ignore_eos":true,"stream":true"#,
+                ),
+                3,
+            )
+        })
+        .collect();
     let t_wait = std::time::Instant::now();
     while mesh.gauge("decode", "pdmesh_decode_running").await < 12.0 {
         assert!(t_wait.elapsed() < Duration::from_secs(30), "the 12 streams did not all start");
@@ -312,11 +363,21 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     let forced = probe(&["--force", "--max-tokens", "32"]);
     assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
     let v: serde_json::Value = serde_json::from_slice(&forced.stdout).unwrap();
-    let dw = v["workers"].as_array().unwrap().iter().find(|w| w["id"] == "decode-0").expect("decode-0 served the probe").clone();
+    let dw = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["id"] == "decode-0")
+        .expect("decode-0 served the probe")
+        .clone();
     assert!(dw["load_before"]["running"].as_u64().unwrap() >= 12, "{v}");
     assert!(v["total_ms"].as_f64().unwrap() > 0.0 && v["trace_id"].as_str().unwrap().len() == 32, "{v}");
     let ptid = v["trace_id"].as_str().unwrap().to_string();
-    let psp = sink.wait_trace(&ptid, Duration::from_secs(20), |s| s.iter().any(|x| x.name == "decode_loop") && roots(s).len() == 1).await;
+    let psp = sink
+        .wait_trace(&ptid, Duration::from_secs(20), |s| {
+            s.iter().any(|x| x.name == "decode_loop") && roots(s).len() == 1
+        })
+        .await;
     let pe = explain(&psp).unwrap();
     assert_eq!(pe.dominant, "decode steps", "the probe's own trace, started by meshctl:\n{}", pe.table());
 

@@ -166,7 +166,14 @@ impl Drop for Pinned {
     }
 }
 
-fn run(mut engine: Engine, q: Arc<Queue>, stats: Arc<Stats>, max_batch: usize, batch_tokens: usize, kernel_spans: KernelSpans) {
+fn run(
+    mut engine: Engine,
+    q: Arc<Queue>,
+    stats: Arc<Stats>,
+    max_batch: usize,
+    batch_tokens: usize,
+    kernel_spans: KernelSpans,
+) {
     let mut pinned: std::collections::HashMap<SeqId, u32> = Default::default();
     loop {
         let mut batch: Vec<Job> = Vec::new();

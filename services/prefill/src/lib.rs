@@ -30,33 +30,65 @@ fn render(st: &Stats) -> String {
         .gauge("pdmesh_prefill_queued", "Prompts waiting for a forward step.", g(&st.queued))
         .gauge("pdmesh_prefill_kv_blocks_used", "KV blocks in use (only during a step).", g(&st.kv_used))
         .gauge("pdmesh_prefill_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
-        .gauge("pdmesh_prefill_kv_blocks_pinned", "Blocks of prefilled prompts waiting for their transfer to end.", g(&st.kv_pinned))
+        .gauge(
+            "pdmesh_prefill_kv_blocks_pinned",
+            "Blocks of prefilled prompts waiting for their transfer to end.",
+            g(&st.kv_pinned),
+        )
         .counter("pdmesh_prefill_steps_total", "Batched prefill steps run.", st.steps.load(Ordering::Relaxed))
-        .counter("pdmesh_prefill_prompt_tokens_total", "Prompt tokens run forward.", st.prompt_tokens.load(Ordering::Relaxed))
-        .counter("pdmesh_prefill_kv_transfer_bytes_total", "KV bytes written to decode workers.", st.transfer_bytes.load(Ordering::Relaxed))
+        .counter(
+            "pdmesh_prefill_prompt_tokens_total",
+            "Prompt tokens run forward.",
+            st.prompt_tokens.load(Ordering::Relaxed),
+        )
+        .counter(
+            "pdmesh_prefill_kv_transfer_bytes_total",
+            "KV bytes written to decode workers.",
+            st.transfer_bytes.load(Ordering::Relaxed),
+        )
         .histogram("pdmesh_prefill_step_seconds", "Duration of one batched prefill step.", &st.step_seconds)
-        .histogram("pdmesh_prefill_kv_transfer_seconds", "Duration of one KV transfer to a decode worker.", &st.transfer_seconds);
+        .histogram(
+            "pdmesh_prefill_kv_transfer_seconds",
+            "Duration of one KV transfer to a decode worker.",
+            &st.transfer_seconds,
+        );
     t.labelled(
         "pdmesh_prefill_kv_transfers_total",
         "counter",
         "KV transfers to decode workers, by transport.",
         "transport",
-        &[("nixl", st.transfers_nixl.load(Ordering::Relaxed) as f64), ("tcp", st.transfers_tcp.load(Ordering::Relaxed) as f64)],
+        &[
+            ("nixl", st.transfers_nixl.load(Ordering::Relaxed) as f64),
+            ("tcp", st.transfers_tcp.load(Ordering::Relaxed) as f64),
+        ],
     );
     st.outcomes.render(&mut t, "pdmesh_prefill_requests_total", "Finished prefill requests by outcome.");
     t.0
 }
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.
-pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
     if config.chunk_bytes == 0 || config.chunk_bytes > 32 << 20 {
         return Err(ServeError::Setup(format!("--chunk-bytes must be 1..=33554432, got {}", config.chunk_bytes)));
     }
     let nixl_lib = pdmesh_worker::transport::choose(&config.worker.transport).map_err(ServeError::Setup)?;
     let transport = if nixl_lib.is_some() { "nixl" } else { "tcp" };
-    let (admin, engine, stats_slot) = pdmesh_worker::boot("prefill", serde_json::to_value(&config).unwrap_or_default(), &config.worker.common, &config.worker.engine, transport, render).await?;
+    let (admin, engine, stats_slot) = pdmesh_worker::boot(
+        "prefill",
+        serde_json::to_value(&config).unwrap_or_default(),
+        &config.worker.common,
+        &config.worker.engine,
+        transport,
+        render,
+    )
+    .await?;
     let layout = engine.kv.layout;
-    let worker_id = config.worker.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
+    let worker_id =
+        config.worker.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
     let nixl = match nixl_lib {
         Some(_) => {
             let (addr, len) = engine.kv.arena();
@@ -64,9 +96,15 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         }
         None => None,
     };
-    let batcher = Batcher::start(engine, config.worker.engine.max_batch, config.batch_tokens, config.worker.engine.trace_kernel_steps);
+    let batcher = Batcher::start(
+        engine,
+        config.worker.engine.max_batch,
+        config.batch_tokens,
+        config.worker.engine.trace_kernel_steps,
+    );
     let _ = stats_slot.set(batcher.stats.clone());
-    let broker = Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
+    let broker =
+        Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
     let agent = kpb::Agent {
         worker_id: worker_id.clone(),
         transport: if nixl.is_some() { kpb::Transport::Nixl } else { kpb::Transport::Tcp } as i32,
@@ -77,7 +115,8 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     if let Some(n) = nixl.clone() {
         transports.push(Box::new(transport::NixlTransport { nixl: n, layout }));
     }
-    transports.push(Box::new(transport::TcpTransport { chunk_bytes: config.chunk_bytes, channels: Default::default() }));
+    transports
+        .push(Box::new(transport::TcpTransport { chunk_bytes: config.chunk_bytes, channels: Default::default() }));
     let svc = server::Service {
         batcher,
         transports,
@@ -87,5 +126,16 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
         lease_renew_ms: config.lease_renew_ms.clamp(100, 60_000),
     };
     let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));
-    pdmesh_worker::serve_worker("prefill", "pdmesh.prefill.v1.Prefill", routes, &config.worker.common, admin, listener, shutdown, agent, broker).await
+    pdmesh_worker::serve_worker(
+        "prefill",
+        "pdmesh.prefill.v1.Prefill",
+        routes,
+        &config.worker.common,
+        admin,
+        listener,
+        shutdown,
+        agent,
+        broker,
+    )
+    .await
 }

@@ -21,7 +21,6 @@ use crate::transport::KvTransport;
 /// Least lease time left for a KV write to start, in milliseconds.
 const WRITE_MARGIN_MS: u64 = 500;
 
-
 pub struct Service {
     pub batcher: Batcher,
     /// In order of preference: NIXL (when it loaded), then TCP.
@@ -31,7 +30,6 @@ pub struct Service {
     pub claim_timeout: Duration,
     /// How far each renewal extends the ticket's lease while the prompt waits, in ms.
     pub lease_renew_ms: u64,
-
 }
 
 impl Service {
@@ -39,10 +37,15 @@ impl Service {
     /// transfer (a restarted decode keeps its id but has a new arena and
     /// NIXL agent).
     async fn agent(&self, broker: &mut pdmesh_worker::BrokerClient, worker: &str) -> Result<kpb::Agent, Status> {
-        let (req, span) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/GetAgent", kpb::GetAgentRequest { worker_id: worker.into() });
+        let (req, span) = telemetry::client_request(
+            "pdmesh.kvbroker.v1.KvBroker/GetAgent",
+            kpb::GetAgentRequest { worker_id: worker.into() },
+        );
         let r = broker.get_agent(req).instrument(span.clone()).await;
         Ok(telemetry::finish(&span, r)
-            .map_err(|e| Status::unavailable(format!("decode worker {worker} is unknown to the kvbroker: {}", e.message())))?
+            .map_err(|e| {
+                Status::unavailable(format!("decode worker {worker} is unknown to the kvbroker: {}", e.message()))
+            })?
             .into_inner())
     }
 
@@ -74,8 +77,12 @@ impl Service {
         let claimed = broker.claim_ticket(claim).instrument(span.clone()).await;
         drop(span);
         let ticket = claimed.map_err(|e| match e.code() {
-            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => Status::deadline_exceeded("no decode worker opened the transfer ticket in time"),
-            tonic::Code::FailedPrecondition => Status::failed_precondition(format!("transfer ticket ended before the KV was written: {}", e.message())),
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+                Status::deadline_exceeded("no decode worker opened the transfer ticket in time")
+            }
+            tonic::Code::FailedPrecondition => {
+                Status::failed_precondition(format!("transfer ticket ended before the KV was written: {}", e.message()))
+            }
             _ => Status::unavailable(format!("kvbroker: {}", e.message())),
         })?;
         let ticket = ticket.into_inner();
@@ -103,10 +110,19 @@ impl Service {
         r2
     }
 
-    async fn transfer(&self, request_id: &str, ticket: kpb::Ticket, pinned: crate::batcher::Pinned, first: u32, broker: &mut pdmesh_worker::BrokerClient) -> Result<pb::PrefillResponse, Status> {
+    async fn transfer(
+        &self,
+        request_id: &str,
+        ticket: kpb::Ticket,
+        pinned: crate::batcher::Pinned,
+        first: u32,
+        broker: &mut pdmesh_worker::BrokerClient,
+    ) -> Result<pb::PrefillResponse, Status> {
         let span = tracing::Span::current();
         let agent = self.agent(broker, &ticket.dest_worker).await?;
-        let transport = self.transports.iter().find(|t| t.reaches(&agent)).ok_or_else(|| Status::failed_precondition(format!("no transport reaches decode worker {}", ticket.dest_worker)))?;
+        let transport = self.transports.iter().find(|t| t.reaches(&agent)).ok_or_else(|| {
+            Status::failed_precondition(format!("no transport reaches decode worker {}", ticket.dest_worker))
+        })?;
         span.record("kv.transport", transport.name());
         let stall = pdmesh_core::faults::get("prefill.transfer_delay_ms");
         if stall > 0 {
@@ -114,7 +130,8 @@ impl Service {
         }
         if stall > 0 {
             // While stalled, follow the ticket: if it ends, give up at once.
-            let mut watch = broker.watch_ticket(kpb::WatchTicketRequest { request_id: request_id.to_string() }).await?.into_inner();
+            let mut watch =
+                broker.watch_ticket(kpb::WatchTicketRequest { request_id: request_id.to_string() }).await?.into_inner();
             let ended = async {
                 while let Ok(Some(t)) = watch.message().await {
                     let s = kpb::TicketState::try_from(t.state).unwrap_or(kpb::TicketState::Unspecified);
@@ -138,13 +155,21 @@ impl Service {
         // decode frees (and may reuse) the destination blocks.
         let now = pdmesh_core::now_ms();
         if ticket.lease_deadline_unix_ms < now + WRITE_MARGIN_MS {
-            let why = format!("transfer lease ends in {} ms; not starting the write", ticket.lease_deadline_unix_ms.saturating_sub(now));
+            let why = format!(
+                "transfer lease ends in {} ms; not starting the write",
+                ticket.lease_deadline_unix_ms.saturating_sub(now)
+            );
             let _ = broker.complete_ticket(fail(request_id, &why)).await;
             return Err(Status::deadline_exceeded(why));
         }
-        let (begin, bspan) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/BeginWrite", kpb::BeginWriteRequest { request_id: request_id.to_string() });
+        let (begin, bspan) = telemetry::client_request(
+            "pdmesh.kvbroker.v1.KvBroker/BeginWrite",
+            kpb::BeginWriteRequest { request_id: request_id.to_string() },
+        );
         let begun = broker.begin_write(begin).instrument(bspan.clone()).await;
-        telemetry::finish(&bspan, begun).map_err(|e| Status::failed_precondition(format!("transfer ticket ended before the write began: {}", e.message())))?;
+        telemetry::finish(&bspan, begun).map_err(|e| {
+            Status::failed_precondition(format!("transfer ticket ended before the write began: {}", e.message()))
+        })?;
         let t0 = Instant::now();
         let moved = transport.write(&agent, &ticket, &pinned).await;
         drop(pinned); // the KV is in the decode's blocks (or failed): free ours
@@ -159,10 +184,16 @@ impl Service {
                 st.transfer_seconds.observe(secs);
                 st.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
                 if name == "nixl" { &st.transfers_nixl } else { &st.transfers_tcp }.fetch_add(1, Ordering::Relaxed);
-                let done = kpb::CompleteTicketRequest { request_id: request_id.to_string(), outcome: Some(kpb::complete_ticket_request::Outcome::FirstToken(first)), bytes };
+                let done = kpb::CompleteTicketRequest {
+                    request_id: request_id.to_string(),
+                    outcome: Some(kpb::complete_ticket_request::Outcome::FirstToken(first)),
+                    bytes,
+                };
                 let (done, cspan) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/CompleteTicket", done);
                 let completed = broker.complete_ticket(done).instrument(cspan.clone()).await;
-                telemetry::finish(&cspan, completed).map_err(|e| Status::failed_precondition(format!("ticket could not be completed: {}", e.message())))?;
+                telemetry::finish(&cspan, completed).map_err(|e| {
+                    Status::failed_precondition(format!("ticket could not be completed: {}", e.message()))
+                })?;
                 Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: name.into() })
             }
             Err(e) => {
@@ -177,7 +208,10 @@ impl Service {
     /// Best effort: the ticket may not be open yet, or gone.
     async fn renew(&self, request_id: &str) {
         let Ok(mut b) = pdmesh_worker::broker(&self.broker, Duration::from_millis(200)).await else { return };
-        let (mut req, span) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/RenewLease", kpb::RenewLeaseRequest { request_id: request_id.into(), lease_ms: self.lease_renew_ms as u32 });
+        let (mut req, span) = telemetry::client_request(
+            "pdmesh.kvbroker.v1.KvBroker/RenewLease",
+            kpb::RenewLeaseRequest { request_id: request_id.into(), lease_ms: self.lease_renew_ms as u32 },
+        );
         req.set_timeout(Duration::from_secs(1));
         let r = b.renew_lease(req).instrument(span.clone()).await;
         let _ = telemetry::finish(&span, r);
@@ -185,7 +219,11 @@ impl Service {
 }
 
 fn fail(request_id: &str, why: &str) -> kpb::CompleteTicketRequest {
-    kpb::CompleteTicketRequest { request_id: request_id.into(), outcome: Some(kpb::complete_ticket_request::Outcome::Failure(why.into())), bytes: 0 }
+    kpb::CompleteTicketRequest {
+        request_id: request_id.into(),
+        outcome: Some(kpb::complete_ticket_request::Outcome::Failure(why.into())),
+        bytes: 0,
+    }
 }
 
 #[tonic::async_trait]

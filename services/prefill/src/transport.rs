@@ -44,29 +44,44 @@ impl KvTransport for NixlTransport {
     }
 
     fn reaches(&self, agent: &kpb::Agent) -> bool {
-        agent.transport == kpb::Transport::Nixl as i32 && agent.layout.as_ref() == Some(&pdmesh_worker::layout_to_wire(&self.layout)) && !agent.nixl_metadata.is_empty()
+        agent.transport == kpb::Transport::Nixl as i32
+            && agent.layout.as_ref() == Some(&pdmesh_worker::layout_to_wire(&self.layout))
+            && !agent.nixl_metadata.is_empty()
     }
 
     /// Bounded by the ticket's lease and by [`MAX_WRITE_MS`].
     async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status> {
         let n = pinned.p.blocks.len();
         if ticket.dest_blocks.len() < n {
-            return Err(Status::failed_precondition(format!("decode reserved {} blocks, the prompt fills {n}", ticket.dest_blocks.len())));
+            return Err(Status::failed_precondition(format!(
+                "decode reserved {} blocks, the prompt fills {n}",
+                ticket.dest_blocks.len()
+            )));
         }
         let block_bytes = self.layout.block_bytes();
         if agent.block_bytes as usize != block_bytes {
-            return Err(Status::failed_precondition(format!("decode blocks are {} bytes, ours {block_bytes}", agent.block_bytes)));
+            return Err(Status::failed_precondition(format!(
+                "decode blocks are {} bytes, ours {block_bytes}",
+                agent.block_bytes
+            )));
         }
         let nixl = self.nixl.clone();
         let (src, dst) = (pinned.p.blocks.clone(), ticket.dest_blocks[..n].to_vec());
-        let (worker, md, addr, len) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), agent.arena_addr as usize, agent.arena_len as usize);
+        let (worker, md, addr, len) = (
+            ticket.dest_worker.clone(),
+            agent.nixl_metadata.clone(),
+            agent.arena_addr as usize,
+            agent.arena_len as usize,
+        );
         let now = pdmesh_core::now_ms();
         let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
         let note = ticket.request_id.clone();
-        tokio::task::spawn_blocking(move || nixl.write(&worker, &md, addr, len, &src, &dst, block_bytes, &note, timeout))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::unavailable)
+        tokio::task::spawn_blocking(move || {
+            nixl.write(&worker, &md, addr, len, &src, &dst, block_bytes, &note, timeout)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(Status::unavailable)
     }
 
     fn forget(&self, worker: &str) {
@@ -120,8 +135,10 @@ impl KvTransport for TcpTransport {
                 k
             })
             .collect();
-        let mut client = dpb::decode_client::DecodeClient::new(self.channel(&agent.address)?).max_encoding_message_size(64 << 20);
-        let (req, span) = pdmesh_core::telemetry::client_request("pdmesh.decode.v1.Decode/WriteKv", tokio_stream::iter(chunks));
+        let mut client =
+            dpb::decode_client::DecodeClient::new(self.channel(&agent.address)?).max_encoding_message_size(64 << 20);
+        let (req, span) =
+            pdmesh_core::telemetry::client_request("pdmesh.decode.v1.Decode/WriteKv", tokio_stream::iter(chunks));
         let r = tracing::Instrument::instrument(client.write_kv(req), span.clone()).await;
         Ok(pdmesh_core::telemetry::finish(&span, r)?.into_inner().bytes)
     }

@@ -40,15 +40,27 @@ fn render(m: &Metrics) -> String {
         .histogram("pdmesh_router_ttft_seconds", "Time from request arrival to the first token.", &m.ttft)
         .histogram("pdmesh_router_inter_token_seconds", "Gap between consecutive tokens of a request.", &m.itl)
         .histogram("pdmesh_router_request_seconds", "Time from request arrival to its end.", &m.e2e)
-        .counter("pdmesh_router_prompt_tokens_total", "Prompt tokens of finished requests.", m.prompt_tokens.load(Ordering::Relaxed))
-        .counter("pdmesh_router_completion_tokens_total", "Tokens generated for finished requests.", m.completion_tokens.load(Ordering::Relaxed));
+        .counter(
+            "pdmesh_router_prompt_tokens_total",
+            "Prompt tokens of finished requests.",
+            m.prompt_tokens.load(Ordering::Relaxed),
+        )
+        .counter(
+            "pdmesh_router_completion_tokens_total",
+            "Tokens generated for finished requests.",
+            m.completion_tokens.load(Ordering::Relaxed),
+        );
     m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
     t.0
 }
 
 /// Serve the router on `listener` until `shutdown` resolves. Healthy once
 /// at least one tokenizer, prefill and decode worker is live.
-pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
     let metrics = Arc::new(Metrics::default());
     let m2 = metrics.clone();
     let admin = AdminState::new("router", serde_json::json!({ "config": config }), Arc::new(move || render(&m2)));
@@ -71,13 +83,17 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     });
     let _poller = server::AbortOnDrop(tokio::spawn(server::poll_loads(router.clone(), Duration::from_millis(250))));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
-    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, "pdmesh.router.v1.Router").await.map_err(Error::Setup)?;
+    let (routes, health) =
+        pdmesh_core::grpc::standard_routes(routes, "pdmesh.router.v1.Router").await.map_err(Error::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| Error::Setup(e.to_string()))?;
     // Ready once every kind of worker is reachable.
     let r2 = router.clone();
     let ready = async move {
         loop {
-            let all = !r2.tokenizer.instances().is_empty() && !r2.prefill.instances().is_empty() && !r2.decode.instances().is_empty() && !r2.broker.instances().is_empty();
+            let all = !r2.tokenizer.instances().is_empty()
+                && !r2.prefill.instances().is_empty()
+                && !r2.decode.instances().is_empty()
+                && !r2.broker.instances().is_empty();
             if all {
                 return;
             }

@@ -78,7 +78,13 @@ pub async fn poll_loads(r: Arc<Router>, every: Duration) {
                 req.set_timeout(Duration::from_secs(1));
                 if let Ok(l) = dpb::decode_client::DecodeClient::new(ch).load(req).await {
                     let l = l.into_inner();
-                    fresh.insert(inst.grpc_addr.clone(), Polled { busy: l.running + l.queued, kv_free: l.kv_blocks_total.saturating_sub(l.kv_blocks_used) });
+                    fresh.insert(
+                        inst.grpc_addr.clone(),
+                        Polled {
+                            busy: l.running + l.queued,
+                            kv_free: l.kv_blocks_total.saturating_sub(l.kv_blocks_used),
+                        },
+                    );
                 }
             }
         }
@@ -88,7 +94,13 @@ pub async fn poll_loads(r: Arc<Router>, every: Duration) {
                 req.set_timeout(Duration::from_secs(1));
                 if let Ok(l) = ppb::prefill_client::PrefillClient::new(ch).load(req).await {
                     let l = l.into_inner();
-                    fresh.insert(inst.grpc_addr.clone(), Polled { busy: l.running + l.queued, kv_free: l.kv_blocks_total.saturating_sub(l.kv_blocks_used) });
+                    fresh.insert(
+                        inst.grpc_addr.clone(),
+                        Polled {
+                            busy: l.running + l.queued,
+                            kv_free: l.kv_blocks_total.saturating_sub(l.kv_blocks_used),
+                        },
+                    );
                 }
             }
         }
@@ -141,8 +153,12 @@ impl Router {
     fn validate(&self, r: pb::GenerateRequest) -> Result<Job, Status> {
         let input = r.input.ok_or_else(|| Status::invalid_argument("set prompt or chat"))?;
         match &input {
-            pb::generate_request::Input::Prompt(p) if p.is_empty() => return Err(Status::invalid_argument("prompt is empty")),
-            pb::generate_request::Input::Chat(c) if c.messages.is_empty() => return Err(Status::invalid_argument("messages is empty")),
+            pb::generate_request::Input::Prompt(p) if p.is_empty() => {
+                return Err(Status::invalid_argument("prompt is empty"))
+            }
+            pb::generate_request::Input::Chat(c) if c.messages.is_empty() => {
+                return Err(Status::invalid_argument("messages is empty"))
+            }
             _ => {}
         }
         if r.max_tokens == 0 {
@@ -192,10 +208,17 @@ impl Router {
         let input = match input {
             pb::generate_request::Input::Prompt(p) => tpb::encode_request::Input::Prompt(p),
             pb::generate_request::Input::Chat(c) => tpb::encode_request::Input::Chat(tpb::ChatMessages {
-                messages: c.messages.into_iter().map(|m| tpb::ChatMessage { role: m.role, content: m.content }).collect(),
+                messages: c
+                    .messages
+                    .into_iter()
+                    .map(|m| tpb::ChatMessage { role: m.role, content: m.content })
+                    .collect(),
             }),
         };
-        let (req, span) = telemetry::client_request("pdmesh.tokenizer.v1.Tokenizer/Encode", tpb::EncodeRequest { input: Some(input), parse_special: false });
+        let (req, span) = telemetry::client_request(
+            "pdmesh.tokenizer.v1.Tokenizer/Encode",
+            tpb::EncodeRequest { input: Some(input), parse_special: false },
+        );
         let r = c.encode(req).instrument(span.clone()).await;
         let r = telemetry::finish(&span, r).map_err(|e| match e.code() {
             tonic::Code::InvalidArgument => e,
@@ -210,7 +233,10 @@ impl Router {
     /// the one with more free KV blocks, then rotate.
     async fn pick(&self, peers: &Peers, tried: &[String]) -> Result<(Instance, Channel, Busy), Status> {
         let span = tracing::Span::current();
-        let list = peers.wait_any(PEER_WAIT).await.ok_or_else(|| Status::unavailable(format!("no live {} worker", peers.service())))?;
+        let list = peers
+            .wait_any(PEER_WAIT)
+            .await
+            .ok_or_else(|| Status::unavailable(format!("no live {} worker", peers.service())))?;
         let polled = self.polled.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
         let rot = self.next_id.load(Ordering::Relaxed) as usize;
@@ -245,7 +271,8 @@ impl Router {
         if let Some(inst) = self.broker.instances().first() {
             if let Ok(ch) = self.broker.channel(inst) {
                 let mut c = kpb::kv_broker_client::KvBrokerClient::new(ch);
-                let mut req = Request::new(kpb::CancelTicketRequest { request_id: request_id.into(), reason: reason.into() });
+                let mut req =
+                    Request::new(kpb::CancelTicketRequest { request_id: request_id.into(), reason: reason.into() });
                 req.set_timeout(Duration::from_secs(2));
                 let _ = c.cancel_ticket(req).await;
             }
@@ -286,7 +313,12 @@ impl Router {
         let (mut dstream, prefill_task, pair) = loop {
             // The ticket id is the request id made unique: callers may reuse
             // request ids, and the broker remembers ended tickets for a while.
-            let ticket_id = format!("{}#{:x}.{}.{attempt}", job.request_id, std::process::id(), self.next_ticket.fetch_add(1, Ordering::Relaxed));
+            let ticket_id = format!(
+                "{}#{:x}.{}.{attempt}",
+                job.request_id,
+                std::process::id(),
+                self.next_ticket.fetch_add(1, Ordering::Relaxed)
+            );
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
             let route = tracing::info_span!("route", policy = "least_busy", attempt);
             let picked = async {
@@ -310,7 +342,11 @@ impl Router {
             }
             drop(route);
             let (d, dch, dbusy, p, pch, pbusy) = picked?;
-            let preq = ppb::PrefillRequest { request_id: ticket_id.clone(), prompt_ids: prompt.clone(), sampling: Some(job.sampling.clone()) };
+            let preq = ppb::PrefillRequest {
+                request_id: ticket_id.clone(),
+                prompt_ids: prompt.clone(),
+                sampling: Some(job.sampling.clone()),
+            };
             let (preq, pspan) = telemetry::client_request("pdmesh.prefill.v1.Prefill/Prefill", preq);
             let prefill_task = AbortOnDrop(tokio::spawn(
                 async move {
@@ -339,16 +375,32 @@ impl Router {
             .instrument(dspan.clone())
             .await;
             match opened {
-                Ok(s) => break (s, prefill_task, Pair { _busy: (dbusy, pbusy), decode_rpc: telemetry::Held(dspan), workers: [p.id.clone(), d.id.clone()] }),
+                Ok(s) => {
+                    break (
+                        s,
+                        prefill_task,
+                        Pair {
+                            _busy: (dbusy, pbusy),
+                            decode_rpc: telemetry::Held(dspan),
+                            workers: [p.id.clone(), d.id.clone()],
+                        },
+                    )
+                }
                 Err(e) => {
                     telemetry::record_status(&dspan, Some(&e));
                     drop(prefill_task);
                     self.cancel_ticket(&ticket_id, "decode refused the request").await;
                     let retryable = matches!(e.code(), tonic::Code::ResourceExhausted | tonic::Code::Unavailable);
-                    let other = self.decode.instances().iter().any(|i| i.grpc_addr != d.grpc_addr && !tried_d.contains(&i.grpc_addr));
+                    let other = self
+                        .decode
+                        .instances()
+                        .iter()
+                        .any(|i| i.grpc_addr != d.grpc_addr && !tried_d.contains(&i.grpc_addr));
                     if !retryable || !other || attempt >= self.retries {
                         return Err(match e.code() {
-                            tonic::Code::Unavailable => Status::unavailable(format!("decode worker {}: {}", d.id, e.message())),
+                            tonic::Code::Unavailable => {
+                                Status::unavailable(format!("decode worker {}: {}", d.id, e.message()))
+                            }
                             _ => e,
                         });
                     }
@@ -393,7 +445,8 @@ impl Router {
                     match last_token {
                         None => {
                             self.metrics.ttft.observe((now - started).as_secs_f64());
-                            tracing::Span::current().set_attribute("pdmesh.ttft_ms", (now - started).as_secs_f64() * 1e3);
+                            tracing::Span::current()
+                                .set_attribute("pdmesh.ttft_ms", (now - started).as_secs_f64() * 1e3);
                         }
                         Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64() / t.ids.len().max(1) as f64),
                     }
@@ -429,7 +482,11 @@ impl Router {
                     if !tail.is_empty() {
                         let _ = tx.send(Ok(delta(vec![], tail))).await;
                     }
-                    let reason = if step.stopped { common::FinishReason::Stop } else { common::FinishReason::try_from(f.reason).unwrap_or(common::FinishReason::Stop) };
+                    let reason = if step.stopped {
+                        common::FinishReason::Stop
+                    } else {
+                        common::FinishReason::try_from(f.reason).unwrap_or(common::FinishReason::Stop)
+                    };
                     let _ = f.usage;
                     return self.finish(tx, reason, n_prompt, n_out, &pair.workers).await;
                 }
@@ -445,16 +502,29 @@ impl Router {
             let mut c = self.tokenizer_client()?;
             let (req, rpc) = {
                 let _g = span.enter();
-                telemetry::client_request("pdmesh.tokenizer.v1.Tokenizer/Detokenize", tokio_stream::wrappers::ReceiverStream::new(r))
+                telemetry::client_request(
+                    "pdmesh.tokenizer.v1.Tokenizer/Detokenize",
+                    tokio_stream::wrappers::ReceiverStream::new(r),
+                )
             };
             let resp = c.detokenize(req).instrument(rpc.clone()).await;
-            let resp = telemetry::finish(&rpc, resp).map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
-            *detok = Some(Detok { tx: s, rx: resp.into_inner(), span: telemetry::Held(span), rpc: telemetry::Held(rpc), busy: Duration::ZERO, calls: 0 });
+            let resp = telemetry::finish(&rpc, resp)
+                .map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
+            *detok = Some(Detok {
+                tx: s,
+                rx: resp.into_inner(),
+                span: telemetry::Held(span),
+                rpc: telemetry::Held(rpc),
+                busy: Duration::ZERO,
+                calls: 0,
+            });
         }
         let d = detok.as_mut().expect("just set");
         let t = Instant::now();
         d.calls += 1;
-        d.tx.send(tpb::DetokenizeRequest { ids, render_special: false }).await.map_err(|_| Status::unavailable("tokenizer stream closed"))?;
+        d.tx.send(tpb::DetokenizeRequest { ids, render_special: false })
+            .await
+            .map_err(|_| Status::unavailable("tokenizer stream closed"))?;
         let r = match d.rx.message().await {
             Ok(Some(m)) => Ok(m.text),
             Ok(None) => Err(Status::unavailable("tokenizer ended the detokenize stream")),
@@ -464,7 +534,14 @@ impl Router {
         r
     }
 
-    async fn finish(&self, tx: &Tx, reason: common::FinishReason, prompt: u32, completion: u32, workers: &[String; 2]) -> Result<(), Status> {
+    async fn finish(
+        &self,
+        tx: &Tx,
+        reason: common::FinishReason,
+        prompt: u32,
+        completion: u32,
+        workers: &[String; 2],
+    ) -> Result<(), Status> {
         self.metrics.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
         self.metrics.completion_tokens.fetch_add(completion as u64, Ordering::Relaxed);
         let fin = pb::Finished {
@@ -489,7 +566,10 @@ fn prefill_failure(e: Status) -> Status {
 
 fn decode_failure(e: Status) -> Status {
     match e.code() {
-        tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => e,
+        tonic::Code::InvalidArgument
+        | tonic::Code::ResourceExhausted
+        | tonic::Code::DeadlineExceeded
+        | tonic::Code::Cancelled => e,
         _ => Status::unavailable(format!("decode worker failed: {}", e.message())),
     }
 }
@@ -523,7 +603,8 @@ impl pb::router_server::Router for Service {
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<DeltaStream>, Status> {
         let router = self.0.clone();
         let span = telemetry::server_span("pdmesh.router.v1.Router/Generate", &req);
-        let deadline = pdmesh_core::grpc::request_timeout(&req).map(|t| t.min(router.timeout)).unwrap_or(router.timeout);
+        let deadline =
+            pdmesh_core::grpc::request_timeout(&req).map(|t| t.min(router.timeout)).unwrap_or(router.timeout);
         let job = match router.validate(req.into_inner()) {
             Ok(j) => j,
             Err(e) => {

@@ -32,10 +32,15 @@ use crate::error::Error;
 /// gRPC health and `/health` report ready only once the tokenizer is
 /// loaded; the instance is announced in the registry (if configured) while
 /// it serves and withdrawn when it stops.
-pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
     let metrics = Arc::new(metrics::Metrics::default());
     let m2 = metrics.clone();
-    let admin = AdminState::new("tokenizer", serde_json::to_value(&config).unwrap_or_default(), Arc::new(move || m2.render()));
+    let admin =
+        AdminState::new("tokenizer", serde_json::to_value(&config).unwrap_or_default(), Arc::new(move || m2.render()));
     let admin = Admin::start(&config.common, admin).await?;
     let path = match &config.model {
         Some(p) => p.clone(),
@@ -58,7 +63,8 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: impl Future<
     .expect("load task")?;
     let svc = server::Service { tok: Arc::new(tok), info, max_input_bytes: config.max_input_bytes, metrics };
     let routes = tonic::service::Routes::new(pb::tokenizer_server::TokenizerServer::new(svc));
-    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, "pdmesh.tokenizer.v1.Tokenizer").await.map_err(Error::Reflection)?;
+    let (routes, health) =
+        pdmesh_core::grpc::standard_routes(routes, "pdmesh.tokenizer.v1.Tokenizer").await.map_err(Error::Reflection)?;
     health.set(true).await;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
     let announced = admin.announce("tokenizer", &config.common, grpc_addr).await?;

@@ -84,12 +84,17 @@ impl Service {
                 self.check_size(text.len())?;
                 let parse = req.parse_special;
                 // Long texts take milliseconds: keep them off the async workers.
-                tokio::task::spawn_blocking(move || tok.encode(&text, parse)).await.map_err(|e| Status::internal(e.to_string()))?
+                tokio::task::spawn_blocking(move || tok.encode(&text, parse))
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))?
             }
             Some(pb::encode_request::Input::Chat(chat)) => {
                 self.check_size(chat.messages.iter().map(|m| m.content.len()).sum())?;
-                let msgs: Vec<ChatMessage> = chat.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
-                tokio::task::spawn_blocking(move || tok.encode_chat(&msgs)).await.map_err(|e| Status::internal(e.to_string()))?
+                let msgs: Vec<ChatMessage> =
+                    chat.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
+                tokio::task::spawn_blocking(move || tok.encode_chat(&msgs))
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))?
             }
             None => return Err(Error::NoInput.into()),
         };

@@ -1,14 +1,19 @@
 //! The tokenizer service booted for real on a loopback port.
 
-use pdmesh_proto::tokenizer::v1 as pb;
 use pb::tokenizer_client::TokenizerClient;
+use pdmesh_proto::tokenizer::v1 as pb;
 use serde_json::Value;
 use tonic::Code;
 
 async fn boot_with(common: pdmesh_core::args::CommonArgs) -> pdmesh_testkit::Running {
     let model = pdmesh_engine::fetch::ensure_model().expect("model");
     let svc = pdmesh_testkit::spawn(move |listener, stop| {
-        let cfg = pdmesh_tokenizer::config::Config { listen: listener.local_addr().unwrap(), model: Some(model), max_input_bytes: 4096, common };
+        let cfg = pdmesh_tokenizer::config::Config {
+            listen: listener.local_addr().unwrap(),
+            model: Some(model),
+            max_input_bytes: 4096,
+            common,
+        };
         pdmesh_tokenizer::serve(cfg, listener, stop)
     })
     .await;
@@ -44,7 +49,8 @@ async fn encodes_like_llama_cpp_and_detokenizes_incrementally() {
     let mut c = TokenizerClient::connect(svc.url.clone()).await.unwrap();
     for g in golden() {
         let prompt = g["prompt"].as_str().unwrap();
-        let raw = pb::EncodeRequest { input: Some(pb::encode_request::Input::Prompt(prompt.into())), parse_special: false };
+        let raw =
+            pb::EncodeRequest { input: Some(pb::encode_request::Input::Prompt(prompt.into())), parse_special: false };
         assert_eq!(c.encode(raw).await.unwrap().into_inner().ids, ids(&g["raw_ids"]));
         assert_eq!(c.encode(chat("user", prompt)).await.unwrap().into_inner().ids, ids(&g["chat_ids"]));
     }
@@ -55,7 +61,8 @@ async fn encodes_like_llama_cpp_and_detokenizes_incrementally() {
     let text = "emoji 🚀 and 日本語";
     let raw = pb::EncodeRequest { input: Some(pb::encode_request::Input::Prompt(text.into())), parse_special: false };
     let id_list = c.encode(raw).await.unwrap().into_inner().ids;
-    let reqs: Vec<pb::DetokenizeRequest> = id_list.iter().map(|i| pb::DetokenizeRequest { ids: vec![*i], render_special: false }).collect();
+    let reqs: Vec<pb::DetokenizeRequest> =
+        id_list.iter().map(|i| pb::DetokenizeRequest { ids: vec![*i], render_special: false }).collect();
     let mut out = c.detokenize(tokio_stream::iter(reqs)).await.unwrap().into_inner();
     let mut got = String::new();
     let mut pieces = 0;
@@ -76,11 +83,15 @@ async fn bad_input_is_invalid_argument() {
     let e = c.encode(chat("wizard", "hi")).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("unknown role"), "{}", e.message());
-    let empty = pb::EncodeRequest { input: Some(pb::encode_request::Input::Chat(pb::ChatMessages { messages: vec![] })), parse_special: false };
+    let empty = pb::EncodeRequest {
+        input: Some(pb::encode_request::Input::Chat(pb::ChatMessages { messages: vec![] })),
+        parse_special: false,
+    };
     assert_eq!(c.encode(empty).await.unwrap_err().code(), Code::InvalidArgument);
     let none = pb::EncodeRequest { input: None, parse_special: false };
     assert_eq!(c.encode(none).await.unwrap_err().code(), Code::InvalidArgument);
-    let big = pb::EncodeRequest { input: Some(pb::encode_request::Input::Prompt("x".repeat(5000))), parse_special: false };
+    let big =
+        pb::EncodeRequest { input: Some(pb::encode_request::Input::Prompt("x".repeat(5000))), parse_special: false };
     let e = c.encode(big).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("limit is 4096"), "{}", e.message());
@@ -117,10 +128,17 @@ async fn announces_itself_serves_admin_endpoints_and_withdraws_on_shutdown() {
     let _ = c.encode(chat("wizard", "hello")).await.unwrap_err();
     let h = http.clone();
     let get = pdmesh_testkit::http_get;
-    let (health, metrics, statusz) = tokio::task::spawn_blocking(move || (get(&h, "/health"), get(&h, "/metrics"), get(&h, "/statusz"))).await.unwrap();
+    let (health, metrics, statusz) =
+        tokio::task::spawn_blocking(move || (get(&h, "/health"), get(&h, "/metrics"), get(&h, "/statusz")))
+            .await
+            .unwrap();
     assert_eq!(health, (200, "ok\n".to_string()));
     assert!(metrics.1.contains("pdmesh_tokenizer_requests_total{rpc=\"encode\",outcome=\"ok\"} 1"), "{}", metrics.1);
-    assert!(metrics.1.contains("pdmesh_tokenizer_requests_total{rpc=\"encode\",outcome=\"invalid_argument\"} 1"), "{}", metrics.1);
+    assert!(
+        metrics.1.contains("pdmesh_tokenizer_requests_total{rpc=\"encode\",outcome=\"invalid_argument\"} 1"),
+        "{}",
+        metrics.1
+    );
     let v: Value = serde_json::from_str(&statusz.1).unwrap();
     assert_eq!(v["service"], "pdmesh-tokenizer");
     assert_eq!(v["config"]["max_input_bytes"], 4096);

@@ -70,7 +70,10 @@ impl std::str::FromStr for KernelSpans {
         match s {
             "off" | "0" => Ok(KernelSpans::Off),
             "all" => Ok(KernelSpans::All),
-            n => n.parse().map(KernelSpans::First).map_err(|_| format!("expected off, all or a number of steps, got {n:?}")),
+            n => n
+                .parse()
+                .map(KernelSpans::First)
+                .map_err(|_| format!("expected off, all or a number of steps, got {n:?}")),
         }
     }
 }
@@ -90,7 +93,11 @@ impl KernelSpans {
 /// One span per engine step, child of the first request's span in the
 /// batch and linked to every request's span (`requests`), so each request's
 /// trace shows the steps it rode in and a step shows whom it served.
-pub fn step_span<'a>(name: &'static str, requests: impl Iterator<Item = &'a tracing::Span>, batch: usize) -> tracing::Span {
+pub fn step_span<'a>(
+    name: &'static str,
+    requests: impl Iterator<Item = &'a tracing::Span>,
+    batch: usize,
+) -> tracing::Span {
     use pdmesh_core::telemetry::SpanExt;
     if !pdmesh_core::telemetry::enabled() {
         return tracing::Span::none();
@@ -115,7 +122,12 @@ pub fn step_span<'a>(name: &'static str, requests: impl Iterator<Item = &'a trac
 
 impl EngineArgs {
     pub fn options(&self) -> EngineOptions {
-        EngineOptions { block_size: self.block_size, kv_blocks: self.kv_blocks, threads: self.threads, prefill_chunk: self.prefill_chunk }
+        EngineOptions {
+            block_size: self.block_size,
+            kv_blocks: self.kv_blocks,
+            threads: self.threads,
+            prefill_chunk: self.prefill_chunk,
+        }
     }
 
     /// Fetch the model if needed and build the engine (blocking; call it
@@ -146,7 +158,12 @@ pub fn status(e: &EngineError) -> Status {
 }
 
 /// Engine sampling parameters from the wire (validated by the engine).
-pub fn sampling(s: Option<&common::SamplingParams>, max_tokens: u32, stop_ids: &[u32], ignore_eos: bool) -> SamplingParams {
+pub fn sampling(
+    s: Option<&common::SamplingParams>,
+    max_tokens: u32,
+    stop_ids: &[u32],
+    ignore_eos: bool,
+) -> SamplingParams {
     let s = s.cloned().unwrap_or_default();
     SamplingParams {
         temperature: s.temperature,
@@ -160,14 +177,25 @@ pub fn sampling(s: Option<&common::SamplingParams>, max_tokens: u32, stop_ids: &
 }
 
 pub fn layout_to_wire(l: &KvLayout) -> common::KvLayout {
-    common::KvLayout { n_layers: l.n_layers as u32, n_kv_heads: l.n_kv_heads as u32, head_dim: l.head_dim as u32, block_size: l.block_size as u32, dtype: "f16".into() }
+    common::KvLayout {
+        n_layers: l.n_layers as u32,
+        n_kv_heads: l.n_kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        block_size: l.block_size as u32,
+        dtype: "f16".into(),
+    }
 }
 
 pub fn layout_from_wire(l: &common::KvLayout) -> Result<KvLayout, Status> {
     if l.dtype != "f16" {
         return Err(Status::failed_precondition(format!("KV dtype {:?} is not supported (f16 only)", l.dtype)));
     }
-    Ok(KvLayout { n_layers: l.n_layers as usize, n_kv_heads: l.n_kv_heads as usize, head_dim: l.head_dim as usize, block_size: l.block_size as usize })
+    Ok(KvLayout {
+        n_layers: l.n_layers as usize,
+        n_kv_heads: l.n_kv_heads as usize,
+        head_dim: l.head_dim as usize,
+        block_size: l.block_size as usize,
+    })
 }
 
 pub type BrokerClient = kpb::kv_broker_client::KvBrokerClient<tonic::transport::Channel>;
@@ -181,7 +209,12 @@ pub async fn broker(peers: &Peers, timeout: Duration) -> Result<BrokerClient, St
 /// Keep `agent` registered at the broker: now, and again every `every`
 /// (a restarted broker learns it again). Returns once the first
 /// registration succeeded; `ready` is told each outcome.
-pub async fn keep_registered(peers: Peers, agent: kpb::Agent, every: Duration, ready: tokio::sync::watch::Sender<bool>) {
+pub async fn keep_registered(
+    peers: Peers,
+    agent: kpb::Agent,
+    every: Duration,
+    ready: tokio::sync::watch::Sender<bool>,
+) {
     let mut first = true;
     loop {
         let ok = match broker(&peers, every).await {
@@ -289,9 +322,14 @@ pub async fn boot<T: Send + Sync + 'static>(
     let slot: StatsSlot<T> = Default::default();
     let s2 = slot.clone();
     let statusz = serde_json::json!({ "config": config, "transport": transport, "engine": engine.options() });
-    let admin = pdmesh_core::admin::AdminState::new(service, statusz, std::sync::Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()));
+    let admin = pdmesh_core::admin::AdminState::new(
+        service,
+        statusz,
+        std::sync::Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()),
+    );
     let admin = pdmesh_core::serve::Admin::start(common, admin).await?;
     let args = engine.clone();
-    let engine = tokio::task::spawn_blocking(move || args.load()).await.map_err(|e| ServeError::Setup(e.to_string()))??;
+    let engine =
+        tokio::task::spawn_blocking(move || args.load()).await.map_err(|e| ServeError::Setup(e.to_string()))??;
     Ok((admin, engine, slot))
 }

@@ -15,7 +15,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use nixl_sys::{Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus};
+use nixl_sys::{
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
+    ThreadSync, XferDescList, XferOp, XferStatus,
+};
 
 /// Which transport a worker offers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -72,7 +75,8 @@ pub fn load_library(path: &Path) -> Result<(), String> {
     let r = LOADED.get_or_init(|| {
         // SAFETY: loading a shared library runs its initialisers; libnixl_capi
         // is the library nixl-sys is written against.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+        let lib =
+            unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {}: {e}", path.display()))?;
         if nixl_sys::is_stub() {
             return Err(format!("{} loaded but nixl-sys still sees the stub", path.display()));
         }
@@ -145,14 +149,17 @@ impl Nixl {
     pub fn start(worker_id: &str, arena_addr: usize, arena_len: usize) -> Result<Nixl, String> {
         // Unique per process: a restarted worker keeps its worker id but is a
         // new NIXL peer (peers must not reuse the dead one's connection).
-        let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let nonce =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
         let name = format!("{worker_id}.{}.{nonce:08x}", std::process::id());
         let name = name.as_str();
         let cfg = AgentConfig { enable_prog_thread: false, thread_sync: ThreadSync::Strict, ..Default::default() };
         let agent = Agent::new_configured(name, &cfg).map_err(|e| format!("NIXL agent: {e}"))?;
         let (_mems, params) = agent.get_plugin_params("UCX").map_err(|e| format!("NIXL UCX plugin: {e}"))?;
         agent.create_backend("UCX", &params).map_err(|e| format!("NIXL UCX backend: {e}"))?;
-        let reg = agent.register_memory(&Region { addr: arena_addr, len: arena_len }, None).map_err(|e| format!("NIXL register KV arena: {e}"))?;
+        let reg = agent
+            .register_memory(&Region { addr: arena_addr, len: arena_len }, None)
+            .map_err(|e| format!("NIXL register KV arena: {e}"))?;
         Ok(Nixl { agent, _registration: reg, arena_addr, arena_len, remotes: Mutex::default() })
     }
 
@@ -187,7 +194,18 @@ impl Nixl {
     /// remote arena at `remote_addr`; blocks are `block_bytes` long.
     /// Blocking: polls until done or `timeout`. Returns the bytes moved.
     #[allow(clippy::too_many_arguments)]
-    pub fn write(&self, worker: &str, md: &[u8], remote_addr: usize, remote_len: usize, src: &[u32], dst: &[u32], block_bytes: usize, note: &str, timeout: Duration) -> Result<u64, String> {
+    pub fn write(
+        &self,
+        worker: &str,
+        md: &[u8],
+        remote_addr: usize,
+        remote_len: usize,
+        src: &[u32],
+        dst: &[u32],
+        block_bytes: usize,
+        note: &str,
+        timeout: Duration,
+    ) -> Result<u64, String> {
         if src.len() != dst.len() {
             return Err(format!("{} source blocks for {} destination blocks", src.len(), dst.len()));
         }
@@ -205,14 +223,18 @@ impl Nixl {
         let mut opt = OptArgs::new().map_err(|e| e.to_string())?;
         opt.set_notification_message(note.as_bytes()).map_err(|e| e.to_string())?;
         opt.set_has_notification(true).map_err(|e| e.to_string())?;
-        let req = self.agent.create_xfer_req(XferOp::Write, &local, &far, &remote, Some(&opt)).map_err(|e| format!("NIXL transfer request: {e}"))?;
+        let req = self
+            .agent
+            .create_xfer_req(XferOp::Write, &local, &far, &remote, Some(&opt))
+            .map_err(|e| format!("NIXL transfer request: {e}"))?;
         let t0 = Instant::now();
         let mut in_progress = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| format!("NIXL post: {e}"))?;
         while in_progress {
             if t0.elapsed() > timeout {
                 return Err(format!("NIXL transfer still running after {timeout:?}"));
             }
-            in_progress = self.agent.get_xfer_status(&req).map_err(|e| format!("NIXL transfer: {e}"))? == XferStatus::InProgress;
+            in_progress =
+                self.agent.get_xfer_status(&req).map_err(|e| format!("NIXL transfer: {e}"))? == XferStatus::InProgress;
             if in_progress {
                 std::thread::sleep(Duration::from_micros(50));
             }
@@ -231,7 +253,11 @@ impl Nixl {
 
 /// Poll `nixl`'s progress on a thread while `busy()` says transfers are
 /// expected (every 1 ms), else every 20 ms, until `stop` is set.
-pub fn spawn_progress(nixl: std::sync::Arc<Nixl>, busy: impl Fn() -> bool + Send + 'static, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+pub fn spawn_progress(
+    nixl: std::sync::Arc<Nixl>,
+    busy: impl Fn() -> bool + Send + 'static,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
     std::thread::Builder::new()
         .name("nixl-progress".into())
         .spawn(move || {

@@ -22,9 +22,7 @@ pub struct Fixture {
 /// One engine per test binary (tests serialise on it).
 pub fn fixture() -> MutexGuard<'static, Fixture> {
     static F: OnceLock<Mutex<Fixture>> = OnceLock::new();
-    F.get_or_init(|| Mutex::new(load(EngineOptions::default())))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    F.get_or_init(|| Mutex::new(load(EngineOptions::default()))).lock().unwrap_or_else(|e| e.into_inner())
 }
 
 pub fn load(opts: EngineOptions) -> Fixture {

@@ -79,7 +79,8 @@ impl Mesh {
 
     pub async fn router(&self) -> pb::router_client::RouterClient<tonic::transport::Channel> {
         let r = self.instance("router").await;
-        let ch = tonic::transport::Channel::from_shared(format!("http://{}", r.grpc_addr)).unwrap().connect().await.unwrap();
+        let ch =
+            tonic::transport::Channel::from_shared(format!("http://{}", r.grpc_addr)).unwrap().connect().await.unwrap();
         pb::router_client::RouterClient::new(ch)
     }
 
@@ -108,7 +109,11 @@ impl Drop for Mesh {
                 for e in rd.flatten() {
                     let text = std::fs::read_to_string(e.path()).unwrap_or_default();
                     let lines: Vec<&str> = text.lines().collect();
-                    eprintln!("==> {} (last lines)\n{}", e.path().display(), lines[lines.len().saturating_sub(30)..].join("\n"));
+                    eprintln!(
+                        "==> {} (last lines)\n{}",
+                        e.path().display(),
+                        lines[lines.len().saturating_sub(30)..].join("\n")
+                    );
                 }
             }
         }
@@ -140,7 +145,13 @@ pub fn post(addr: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u1
 }
 
 /// POST and return (status, a response header's value if present, body).
-pub fn post_header(addr: &str, path: &str, body: &str, headers: &[(&str, &str)], want: &str) -> (u16, Option<String>, String) {
+pub fn post_header(
+    addr: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+    want: &str,
+) -> (u16, Option<String>, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
     let mut h = String::new();
@@ -164,7 +175,8 @@ pub fn parse_response(raw: &[u8]) -> (u16, String) {
     let text = String::from_utf8_lossy(raw).to_string();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.to_string() };
+    let body =
+        if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.to_string() };
     (code, body)
 }
 
@@ -201,7 +213,9 @@ pub struct Outcome {
 pub fn chat_request(user: &str, max_tokens: u32, ignore_eos: bool) -> pb::GenerateRequest {
     pb::GenerateRequest {
         request_id: String::new(),
-        input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: vec![pb::ChatMessage { role: "user".into(), content: user.into() }] })),
+        input: Some(pb::generate_request::Input::Chat(pb::ChatMessages {
+            messages: vec![pb::ChatMessage { role: "user".into(), content: user.into() }],
+        })),
         sampling: Some(common::SamplingParams::default()),
         max_tokens,
         stop: vec![],
@@ -209,7 +223,10 @@ pub fn chat_request(user: &str, max_tokens: u32, ignore_eos: bool) -> pb::Genera
     }
 }
 
-pub async fn run(client: &mut pb::router_client::RouterClient<tonic::transport::Channel>, req: pb::GenerateRequest) -> Result<Outcome, tonic::Status> {
+pub async fn run(
+    client: &mut pb::router_client::RouterClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+) -> Result<Outcome, tonic::Status> {
     let mut s = client.generate(req).await?.into_inner();
     let mut o = Outcome::default();
     while let Some(m) = s.message().await? {
@@ -224,7 +241,6 @@ pub async fn run(client: &mut pb::router_client::RouterClient<tonic::transport::
     }
     Ok(o)
 }
-
 
 impl Mesh {
     /// /metrics of every live instance of `service`, by instance id.
@@ -257,7 +273,10 @@ pub fn start_stream(gateway: &str, body: &str, n: usize) -> TcpStream {
 }
 
 pub fn chat_body(content: &str, extra: &str) -> String {
-    format!(r#"{{"model":"smollm2-135m-instruct","messages":[{{"role":"user","content":{}}}]{extra}}}"#, serde_json::Value::String(content.into()))
+    format!(
+        r#"{{"model":"smollm2-135m-instruct","messages":[{{"role":"user","content":{}}}]{extra}}}"#,
+        serde_json::Value::String(content.into())
+    )
 }
 
 impl Mesh {
@@ -272,7 +291,12 @@ impl Mesh {
     /// Set a fault-injection switch on every live instance of `service`.
     pub async fn fault(&self, service: &str, name: &str, value: u64) {
         for i in self.registry().healthy(service).await.unwrap() {
-            let (st, body) = pdmesh_core::http::put(i.http_addr.as_deref().unwrap(), &format!("/faults/{name}/{value}"), Duration::from_secs(5)).unwrap();
+            let (st, body) = pdmesh_core::http::put(
+                i.http_addr.as_deref().unwrap(),
+                &format!("/faults/{name}/{value}"),
+                Duration::from_secs(5),
+            )
+            .unwrap();
             assert_eq!(st, 200, "{body}");
         }
     }
@@ -288,7 +312,11 @@ impl Mesh {
         let back = pdmesh_testkit::eventually_async(Duration::from_secs(120), || async {
             let Ok(list) = self.registry().healthy(service).await else { return false };
             let Some(i) = list.first() else { return false };
-            let Ok((200, body)) = pdmesh_core::http::get(i.http_addr.as_deref().unwrap(), "/statusz", Duration::from_secs(2)) else { return false };
+            let Ok((200, body)) =
+                pdmesh_core::http::get(i.http_addr.as_deref().unwrap(), "/statusz", Duration::from_secs(2))
+            else {
+                return false;
+            };
             let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
             v["pid"].as_u64() != Some(old as u64) && v["ready"] == true
         })
@@ -305,15 +333,27 @@ impl Mesh {
             let mut snapshot = String::new();
             let mut fine = true;
             for (_, m) in self.metrics_all("decode").await {
-                fine &= ["pdmesh_decode_kv_blocks_used", "pdmesh_decode_kv_blocks_pinned", "pdmesh_decode_awaiting_kv", "pdmesh_decode_running", "pdmesh_decode_queued"].iter().all(|n| g(&m, n) == 0.0);
+                fine &= [
+                    "pdmesh_decode_kv_blocks_used",
+                    "pdmesh_decode_kv_blocks_pinned",
+                    "pdmesh_decode_awaiting_kv",
+                    "pdmesh_decode_running",
+                    "pdmesh_decode_queued",
+                ]
+                .iter()
+                .all(|n| g(&m, n) == 0.0);
                 snapshot.push_str(&m);
             }
             for (_, m) in self.metrics_all("prefill").await {
-                fine &= ["pdmesh_prefill_kv_blocks_used", "pdmesh_prefill_kv_blocks_pinned"].iter().all(|n| g(&m, n) == 0.0);
+                fine &= ["pdmesh_prefill_kv_blocks_used", "pdmesh_prefill_kv_blocks_pinned"]
+                    .iter()
+                    .all(|n| g(&m, n) == 0.0);
                 snapshot.push_str(&m);
             }
             let b = self.metrics("kvbroker").await;
-            fine &= ["open", "claimed", "writing"].iter().all(|s| g(&b, &format!("pdmesh_kvbroker_tickets{{state=\"{s}\"}}")) == 0.0);
+            fine &= ["open", "claimed", "writing"]
+                .iter()
+                .all(|s| g(&b, &format!("pdmesh_kvbroker_tickets{{state=\"{s}\"}}")) == 0.0);
             snapshot.push_str(&b);
             if fine {
                 return;
