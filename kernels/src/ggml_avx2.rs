@@ -12,6 +12,9 @@ use std::arch::x86_64::*;
 /// GGML's `ggml_v_expf` for 8 lanes (max error ~1.5 ULP).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
 pub unsafe fn expf8(x: __m256) -> __m256 {
     let r = _mm256_set1_ps(f32::from_bits(0x4B40_0000)); // 0x1.8p23
     let z = _mm256_fmadd_ps(x, _mm256_set1_ps(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
@@ -75,6 +78,9 @@ pub unsafe fn expf8(x: __m256) -> __m256 {
 /// tinyBLAS's / GGML's horizontal sum order.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
 pub unsafe fn hsum(x: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -85,6 +91,9 @@ pub unsafe fn hsum(x: __m256) -> f32 {
 /// `Σ a·b` as tinyBLAS computes one output: one 8-lane FMA chain, then
 /// [`hsum`]. `a.len()` must be a multiple of 8.
 #[target_feature(enable = "avx2,fma")]
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a.len()` must be a multiple of 8 and `b` at least as long.
 pub unsafe fn dot_chain(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for l in (0..a.len()).step_by(8) {
@@ -110,6 +119,9 @@ unsafe fn reduce4(acc: [__m256; 4]) -> f32 {
 /// takes for a single query token): four 8-lane FMA chains over 32-value
 /// steps, then [`reduce4`]. `a.len()` must be a multiple of 32.
 #[target_feature(enable = "avx2,fma")]
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a.len()` must be a multiple of 32 and `b` at least as long.
 pub unsafe fn dot_vec4(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [_mm256_setzero_ps(); 4];
     for i in (0..a.len()).step_by(32) {
@@ -125,6 +137,9 @@ pub unsafe fn dot_vec4(a: &[f32], b: &[f32]) -> f32 {
 /// of 8 (`x.len()` a multiple of 8; pad with `-inf`), group sums added in
 /// f64, then multiplied by `(f32)(1.0 / sum)`.
 #[target_feature(enable = "avx2,fma")]
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `x.len()` must be a multiple of 8.
 pub unsafe fn softmax(x: &mut [f32]) {
     let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f64;
@@ -143,6 +158,9 @@ pub unsafe fn softmax(x: &mut [f32]) {
 
 /// GGML's `ggml_vec_swiglu_f32`: `gate = gate / (1 + exp(-gate)) * up`.
 #[target_feature(enable = "avx2,fma")]
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `up` must be at least as long as `gate`.
 pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
     let n = gate.len();
     let mut i = 0;

@@ -133,7 +133,7 @@ pub fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
 /// pointer is misaligned for the block type.
 pub fn cast_blocks<T: Copy>(bytes: &[u8]) -> Option<&[T]> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !bytes.len().is_multiple_of(size) || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return None;
     }
     // SAFETY: length and alignment checked; T is plain old data (integers).

@@ -140,8 +140,8 @@ fn write_or(path: Option<&std::path::Path>, text: &str, otherwise: impl Fn(&str)
 #[tokio::main]
 async fn main() -> ExitCode {
     let a = Args::parse();
-    if a.concurrency.iter().any(|c| *c == 0)
-        || a.rate.iter().any(|r| !(*r > 0.0))
+    if a.concurrency.contains(&0)
+        || a.rate.iter().any(|r| r.is_nan() || *r <= 0.0)
         || a.requests == 0
         || a.sessions == 0
         || a.rounds == 0

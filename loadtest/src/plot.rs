@@ -272,12 +272,16 @@ fn draw_timeline<DB: DrawingBackend>(
 }
 
 /// Draw with `f` into `<prefix>-<name>.png` and `.svg`; returns the files.
+/// Draws one figure as PNG and as SVG.
+type DrawPng<'a> = dyn Fn(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String> + 'a;
+type DrawSvg<'a> = dyn Fn(&DrawingArea<SVGBackend, Shift>) -> Result<(), String> + 'a;
+
 fn both(
     prefix: &Path,
     name: &str,
     size: (u32, u32),
-    f: &dyn Fn(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String>,
-    g: &dyn Fn(&DrawingArea<SVGBackend, Shift>) -> Result<(), String>,
+    f: &DrawPng<'_>,
+    g: &DrawSvg<'_>,
 ) -> Result<Vec<PathBuf>, String> {
     let stem = prefix.file_name().and_then(|s| s.to_str()).unwrap_or("loadtest");
     let png = prefix.with_file_name(format!("{stem}-{name}.png"));

@@ -15,6 +15,7 @@ pub mod peers;
 pub mod serve;
 pub mod signal;
 pub mod telemetry;
+pub mod vocab;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> u64 {

@@ -25,6 +25,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::Layer as _;
 
+use crate::vocab::{attr, span};
+
 /// Tracing flags every service shares.
 #[derive(clap::Args, Debug, Clone, serde::Serialize)]
 pub struct TelemetryArgs {
@@ -70,10 +72,10 @@ pub struct Identity {
 impl Identity {
     fn attributes(&self) -> Vec<KeyValue> {
         vec![
-            KeyValue::new("service.name", format!("pdmesh-{}", self.service)),
-            KeyValue::new("service.instance.id", self.instance_id.clone()),
-            KeyValue::new("service.version", env!("CARGO_PKG_VERSION")),
-            KeyValue::new("pdmesh.config_hash", config_hash(&self.config)),
+            KeyValue::new(attr::SERVICE_NAME, format!("pdmesh-{}", self.service)),
+            KeyValue::new(attr::SERVICE_INSTANCE_ID, self.instance_id.clone()),
+            KeyValue::new(attr::SERVICE_VERSION, env!("CARGO_PKG_VERSION")),
+            KeyValue::new(attr::CONFIG_HASH, config_hash(&self.config)),
         ]
     }
 }
@@ -159,27 +161,6 @@ pub fn init(args: &TelemetryArgs, id: &Identity) -> Result<bool, TelemetryError>
     Ok(true)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_bad_ratio_is_refused_even_without_an_endpoint() {
-        let id = Identity { service: "t".into(), instance_id: "t-1".into(), config: serde_json::json!({}) };
-        let bad = TelemetryArgs { trace_sample_ratio: 1.5, ..Default::default() };
-        assert!(matches!(init(&bad, &id), Err(TelemetryError::Ratio(_))));
-        assert!(!init(&TelemetryArgs::default(), &id).unwrap(), "off without an endpoint");
-        assert!(!enabled());
-    }
-
-    #[test]
-    fn the_config_hash_is_stable_and_sensitive() {
-        let a = config_hash(&serde_json::json!({ "threads": 2, "kv_blocks": 2048 }));
-        assert_eq!(a, config_hash(&serde_json::json!({ "threads": 2, "kv_blocks": 2048 })));
-        assert_ne!(a, config_hash(&serde_json::json!({ "threads": 1, "kv_blocks": 2048 })));
-        assert_eq!(a.len(), 16);
-    }
-}
 
 /// Export what is still buffered; call once when the process stops.
 pub async fn shutdown() {
@@ -265,13 +246,13 @@ pub fn span_context(span: &tracing::Span) -> Option<opentelemetry::trace::SpanCo
 fn rpc_span(method: &'static str, kind: &'static str) -> tracing::Span {
     let (service, rpc) = method.split_once('/').unwrap_or((method, ""));
     tracing::info_span!(
-        "grpc",
+        span::GRPC,
         otel.name = method,
         otel.kind = kind,
         rpc.system = "grpc",
         rpc.service = service,
         rpc.method = rpc,
-        rpc.grpc.status_code = tracing::field::Empty,
+        { attr::RPC_STATUS_CODE } = tracing::field::Empty,
     )
 }
 
@@ -297,10 +278,10 @@ pub fn client_request<T>(method: &'static str, msg: T) -> (tonic::Request<T>, tr
 pub fn record_status(span: &tracing::Span, status: Option<&tonic::Status>) {
     match status {
         None => {
-            span.record("rpc.grpc.status_code", 0i64);
+            span.record(attr::RPC_STATUS_CODE, 0i64);
         }
         Some(s) => {
-            span.record("rpc.grpc.status_code", s.code() as i64);
+            span.record(attr::RPC_STATUS_CODE, s.code() as i64);
             mark_error(span, s.message());
         }
     }
@@ -336,5 +317,27 @@ impl Held {
 impl Drop for Held {
     fn drop(&mut self) {
         let _last = self.0.enter();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_ratio_is_refused_even_without_an_endpoint() {
+        let id = Identity { service: "t".into(), instance_id: "t-1".into(), config: serde_json::json!({}) };
+        let bad = TelemetryArgs { trace_sample_ratio: 1.5, ..Default::default() };
+        assert!(matches!(init(&bad, &id), Err(TelemetryError::Ratio(_))));
+        assert!(!init(&TelemetryArgs::default(), &id).unwrap(), "off without an endpoint");
+        assert!(!enabled());
+    }
+
+    #[test]
+    fn the_config_hash_is_stable_and_sensitive() {
+        let a = config_hash(&serde_json::json!({ "threads": 2, "kv_blocks": 2048 }));
+        assert_eq!(a, config_hash(&serde_json::json!({ "threads": 2, "kv_blocks": 2048 })));
+        assert_ne!(a, config_hash(&serde_json::json!({ "threads": 1, "kv_blocks": 2048 })));
+        assert_eq!(a.len(), 16);
     }
 }

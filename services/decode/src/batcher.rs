@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
+use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as pb;
@@ -134,11 +135,13 @@ struct Seq {
 
 impl Drop for Seq {
     fn drop(&mut self) {
-        self.span.record("decode.steps", self.steps as i64);
-        self.span.record("decode.tokens", self.n_generated as i64);
-        self.span.record("decode.batch_max", self.batch_max as i64);
-        self.span
-            .record("decode.batch_mean", if self.steps > 0 { self.batch_sum as f64 / self.steps as f64 } else { 0.0 });
+        self.span.record(attr::DECODE_STEPS, self.steps as i64);
+        self.span.record(attr::DECODE_TOKENS, self.n_generated as i64);
+        self.span.record(attr::DECODE_BATCH_MAX, self.batch_max as i64);
+        self.span.record(
+            attr::DECODE_BATCH_MEAN,
+            if self.steps > 0 { self.batch_sum as f64 / self.steps as f64 } else { 0.0 },
+        );
     }
 }
 
@@ -230,12 +233,12 @@ impl Loop {
                         let span = tracing::info_span!(
                             parent: &server,
                             "decode_loop",
-                            decode.running_on_join = self.running.len() as i64,
-                            decode.waiting_on_join = self.ready.len() as i64,
-                            decode.steps = tracing::field::Empty,
-                            decode.tokens = tracing::field::Empty,
-                            decode.batch_max = tracing::field::Empty,
-                            decode.batch_mean = tracing::field::Empty,
+                            { attr::DECODE_RUNNING_ON_JOIN } = self.running.len() as i64,
+                            { attr::DECODE_WAITING_ON_JOIN } = self.ready.len() as i64,
+                            { attr::DECODE_STEPS } = tracing::field::Empty,
+                            { attr::DECODE_TOKENS } = tracing::field::Empty,
+                            { attr::DECODE_BATCH_MAX } = tracing::field::Empty,
+                            { attr::DECODE_BATCH_MEAN } = tracing::field::Empty,
                         );
                         let mut s = Seq {
                             id: seq,
@@ -324,7 +327,7 @@ impl Loop {
             s.batch_sum += n as u64;
             s.batch_max = s.batch_max.max(n);
         }
-        let span = pdmesh_worker::step_span("decode_step", self.running.iter().map(|s| &s.span), ids.len());
+        let span = pdmesh_worker::step_span(span::DECODE_STEP, self.running.iter().map(|s| &s.span), ids.len());
         let kernels = !span.is_disabled() && self.running.iter().any(|s| self.kernel_spans.covers(s.n_generated + 1));
         let t = Instant::now();
         let result = {

@@ -20,6 +20,7 @@ use tracing::Instrument;
 use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::batcher::{Batcher, Events};
+use pdmesh_core::vocab::{attr, rpc, span};
 
 pub struct Service {
     pub batcher: Batcher,
@@ -97,12 +98,12 @@ impl Service {
         let admit = tracing::info_span!(
             parent: &server,
             "admit",
-            decode.running = st.running.load(Ordering::Relaxed) as i64,
-            decode.waiting = st.queued.load(Ordering::Relaxed) as i64,
-            decode.awaiting_kv = st.awaiting_kv.load(Ordering::Relaxed) as i64,
-            kv_blocks_used = st.kv_used.load(Ordering::Relaxed) as i64,
-            kv_blocks_total = st.kv_total.load(Ordering::Relaxed) as i64,
-            kv_blocks_reserved = tracing::field::Empty,
+            { attr::DECODE_RUNNING } = st.running.load(Ordering::Relaxed) as i64,
+            { attr::DECODE_WAITING } = st.queued.load(Ordering::Relaxed) as i64,
+            { attr::DECODE_AWAITING_KV } = st.awaiting_kv.load(Ordering::Relaxed) as i64,
+            { attr::KV_BLOCKS_USED } = st.kv_used.load(Ordering::Relaxed) as i64,
+            { attr::KV_BLOCKS_TOTAL } = st.kv_total.load(Ordering::Relaxed) as i64,
+            { attr::KV_BLOCKS_RESERVED } = tracing::field::Empty,
         );
         let r2 = self.admit_inner(r, &server).instrument(admit.clone()).await;
         if let Err(e) = &r2 {
@@ -133,7 +134,7 @@ impl Service {
             claimed: false,
         };
         let n_blocks = blocks.len() as u32;
-        tracing::Span::current().record("kv_blocks_reserved", n_blocks as i64);
+        tracing::Span::current().record(attr::KV_BLOCKS_RESERVED, n_blocks as i64);
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let open = kpb::OpenTicketRequest {
             request_id: r.request_id.clone(),
@@ -142,16 +143,16 @@ impl Service {
             n_tokens: n_prompt,
             lease_ms: self.lease_ms,
         };
-        let (open, span) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/OpenTicket", open);
+        let (open, span) = telemetry::client_request(rpc::KVBROKER_OPEN_TICKET, open);
         let opened = broker.open_ticket(open).instrument(span.clone()).await;
         telemetry::finish(&span, opened)
             .map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
         // The watch (and its span) lasts until the ticket ends.
-        let await_kv = tracing::info_span!(parent: server, "await_kv");
+        let await_kv = tracing::info_span!(parent: server, span::AWAIT_KV);
         let (watch, wspan) = {
             let _g = await_kv.enter();
             telemetry::client_request(
-                "pdmesh.kvbroker.v1.KvBroker/WatchTicket",
+                rpc::KVBROKER_WATCH_TICKET,
                 kpb::WatchTicketRequest { request_id: r.request_id.clone() },
             )
         };
@@ -229,7 +230,7 @@ impl pb::decode_server::Decode for Service {
     type GenerateStream = EventStream;
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
-        let span = telemetry::server_span("pdmesh.decode.v1.Decode/Generate", &req);
+        let span = telemetry::server_span(rpc::DECODE_GENERATE, &req);
         match self.admit(req.into_inner(), span.clone()).await {
             Ok(s) => Ok(Response::new(s)),
             Err(e) => {
@@ -241,10 +242,10 @@ impl pb::decode_server::Decode for Service {
     }
 
     async fn write_kv(&self, req: Request<Streaming<pb::KvChunk>>) -> Result<Response<pb::WriteKvResponse>, Status> {
-        let span = telemetry::server_span("pdmesh.decode.v1.Decode/WriteKv", &req);
+        let span = telemetry::server_span(rpc::DECODE_WRITE_KV, &req);
         let r = self.write_kv_inner(req.into_inner()).instrument(span.clone()).await;
         if let Ok(r) = &r {
-            span.set_attribute("pdmesh.kv.bytes", r.bytes as i64);
+            span.set_attribute(attr::TICKET_KV_BYTES, r.bytes as i64);
         }
         telemetry::finish(&span, r).map(Response::new)
     }

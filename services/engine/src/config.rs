@@ -32,7 +32,7 @@ impl ModelConfig {
         let n_embd = g.get_u64(&k("embedding_length"))? as usize;
         let n_heads = g.get_u64(&k("attention.head_count"))? as usize;
         let n_kv_heads = g.get_u64(&k("attention.head_count_kv")).unwrap_or(n_heads as u64) as usize;
-        if n_heads == 0 || n_embd % n_heads != 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        if n_heads == 0 || !n_embd.is_multiple_of(n_heads) || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(EngineError::Unsupported(format!(
                 "{n_heads} heads / {n_kv_heads} KV heads over width {n_embd}"
             )));

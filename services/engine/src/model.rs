@@ -40,7 +40,7 @@ impl Weight {
         if info.dims.len() != 2 || info.dims[0] as usize != cols || info.dims[1] as usize != rows {
             return Err(bad(format!("shape {:?}, expected [{cols}, {rows}]", info.dims)));
         }
-        if cols % QK != 0 {
+        if !cols.is_multiple_of(QK) {
             return Err(bad(format!("row length {cols} is not a multiple of {QK}")));
         }
         let bytes = g.tensor_bytes(info);

@@ -32,6 +32,7 @@ use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::config::Config;
 use crate::openai::{BadRequest, Kind};
+use pdmesh_core::vocab::{attr, rpc, span};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -78,8 +79,7 @@ fn error_body(status: u16, message: &str, kind: &str, param: Option<&str>, code:
 }
 
 fn bad_request(e: BadRequest) -> Response {
-    let kind = if e.status == 404 { "invalid_request_error" } else { "invalid_request_error" };
-    error_body(e.status, &e.message, kind, e.param, e.code)
+    error_body(e.status, &e.message, "invalid_request_error", e.param, e.code)
 }
 
 /// HTTP status, OpenAI error type and code for a router status.
@@ -130,9 +130,9 @@ impl Drop for Tracked {
         self.g.e2e.observe(self.t0.elapsed().as_secs_f64());
         self.g.in_flight.fetch_sub(1, Ordering::Relaxed);
         let end = std::time::Instant::now();
-        self.span.record("gateway.client_wait_ms", self.wait.total.as_secs_f64() * 1e3);
-        self.span.record("gateway.client_tail_ms", self.wait.tail(end).as_secs_f64() * 1e3);
-        self.span.record("gateway.chunks", self.wait.chunks as i64);
+        self.span.record(attr::CLIENT_WAIT_MS, self.wait.total.as_secs_f64() * 1e3);
+        self.span.record(attr::CLIENT_TAIL_MS, self.wait.tail(end).as_secs_f64() * 1e3);
+        self.span.record(attr::CHUNKS, self.wait.chunks as i64);
         // Its end is the last byte handed to the client (see telemetry::Held).
         let _last = self.span.enter();
     }
@@ -196,16 +196,16 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
     // The request's root span (or a child of the caller's `traceparent`);
     // it ends when the last byte is handed to the client.
     let span = tracing::info_span!(
-        "http.server",
+        span::HTTP_SERVER,
         otel.name = format!("POST {path}"),
         otel.kind = "server",
         http.request.method = "POST",
         url.path = path,
-        http.response.status_code = tracing::field::Empty,
-        pdmesh.request_id = tracing::field::Empty,
-        gateway.client_wait_ms = tracing::field::Empty,
-        gateway.client_tail_ms = tracing::field::Empty,
-        gateway.chunks = tracing::field::Empty,
+        { attr::HTTP_STATUS_CODE } = tracing::field::Empty,
+        { attr::REQUEST_ID } = tracing::field::Empty,
+        { attr::CLIENT_WAIT_MS } = tracing::field::Empty,
+        { attr::CLIENT_TAIL_MS } = tracing::field::Empty,
+        { attr::CHUNKS } = tracing::field::Empty,
     );
     if telemetry::enabled() {
         let _ = span.set_parent(telemetry::extract_http(&headers));
@@ -227,7 +227,7 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
         ),
     };
     tracked.status = status_label(r.status().as_u16());
-    span.record("http.response.status_code", r.status().as_u16() as i64);
+    span.record(attr::HTTP_STATUS_CODE, r.status().as_u16() as i64);
     if r.status().is_server_error() {
         telemetry::mark_error(&span, tracked.status);
     }
@@ -331,7 +331,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         _ => format!("{prefix}-{:x}{:06x}", now_s(), g.next_id.fetch_add(1, Ordering::Relaxed)),
     };
     parsed.request.request_id = id.clone();
-    tracing::Span::current().record("pdmesh.request_id", id.as_str());
+    tracing::Span::current().record(attr::REQUEST_ID, id.as_str());
     let mut deadline = Duration::from_secs_f64(g.config.request_timeout_s.max(0.001));
     if let Some(t) =
         headers.get("x-request-timeout").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
@@ -354,7 +354,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) 
         Err(e) => return Reply::Done(error_body(500, &e, "internal_error", None, None)),
     };
     // The client span lasts as long as the router's stream.
-    let (mut req, rpc) = telemetry::client_request("pdmesh.router.v1.Router/Generate", parsed.request);
+    let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, parsed.request);
     // Ends when the router's stream is done with (here, or in the SSE task).
     let rpc_end = telemetry::Held(rpc.clone());
     req.set_timeout(deadline);

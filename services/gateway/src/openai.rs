@@ -178,7 +178,7 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
     };
     match number(o, "n")? {
         None => {}
-        Some(n) if n == 1.0 => {}
+        Some(1.0) => {}
         Some(n) => return Err(bad("n", format!("only n = 1 is supported, got {n}"))),
     }
     let stop = match o.get("stop") {

@@ -14,6 +14,7 @@ use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::error::Error;
 use crate::tickets::{is_terminal, Tickets};
+use pdmesh_core::vocab::{attr, rpc};
 
 pub use pdmesh_core::now_ms;
 
@@ -40,8 +41,8 @@ impl Broker {
 fn traced(span: tracing::Span, r: Result<Ticket, Error>) -> Result<Response<Ticket>, Status> {
     let r = r.map_err(Status::from);
     if let Ok(t) = &r {
-        span.set_attribute("pdmesh.ticket", t.request_id.clone());
-        span.set_attribute("pdmesh.ticket.state", state(t).as_str_name());
+        span.set_attribute(attr::TICKET, t.request_id.clone());
+        span.set_attribute(attr::TICKET_STATE, state(t).as_str_name());
     }
     telemetry::finish(&span, r).map(Response::new)
 }
@@ -67,7 +68,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn get_agent(&self, req: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/GetAgent", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_GET_AGENT, &req);
         let id = req.into_inner().worker_id;
         let agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
         let a = agents.get(&id).cloned().ok_or(Error::UnknownAgent(id)).map_err(Status::from);
@@ -75,10 +76,10 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn open_ticket(&self, req: Request<pb::OpenTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/OpenTicket", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_OPEN_TICKET, &req);
         let r = req.into_inner();
-        span.set_attribute("pdmesh.ticket.blocks", r.dest_blocks.len() as i64);
-        span.set_attribute("pdmesh.ticket.lease_ms", r.lease_ms as i64);
+        span.set_attribute(attr::TICKET_BLOCKS, r.dest_blocks.len() as i64);
+        span.set_attribute(attr::TICKET_LEASE_MS, r.lease_ms as i64);
         let t = self.lease(r.lease_ms).and_then(|lease| {
             Ok(self.table().open(&r.request_id, &r.dest_worker, r.dest_blocks, r.n_tokens, lease, now_ms())?)
         });
@@ -87,7 +88,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
 
     /// Waits (bounded by the caller's deadline) for the decode worker to open the ticket.
     async fn claim_ticket(&self, req: Request<pb::ClaimTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/ClaimTicket", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_CLAIM_TICKET, &req);
         let r = req.into_inner();
         let mut rx = self.table().subscribe(&r.request_id, now_ms());
         let cur = match rx.wait_for(|t| state(t) != TicketState::Unspecified).instrument(span.clone()).await {
@@ -102,16 +103,16 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn begin_write(&self, req: Request<pb::BeginWriteRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/BeginWrite", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_BEGIN_WRITE, &req);
         let r = req.into_inner();
         let t = self.table().begin_write(&r.request_id, now_ms());
         traced(span, t.map_err(Error::from))
     }
 
     async fn complete_ticket(&self, req: Request<pb::CompleteTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/CompleteTicket", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_COMPLETE_TICKET, &req);
         let r = req.into_inner();
-        span.set_attribute("pdmesh.kv.bytes", r.bytes as i64);
+        span.set_attribute(attr::TICKET_KV_BYTES, r.bytes as i64);
         let outcome = match r.outcome {
             Some(pb::complete_ticket_request::Outcome::FirstToken(t)) => Ok(t),
             Some(pb::complete_ticket_request::Outcome::Failure(why)) => Err(why),
@@ -122,7 +123,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn cancel_ticket(&self, req: Request<pb::CancelTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/CancelTicket", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_CANCEL_TICKET, &req);
         let r = req.into_inner();
         if r.request_id.is_empty() {
             return traced(span, Err(Error::Invalid("request_id is required".into())));
@@ -132,7 +133,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn renew_lease(&self, req: Request<pb::RenewLeaseRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/RenewLease", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_RENEW_LEASE, &req);
         let r = req.into_inner();
         let t = self.lease(r.lease_ms).and_then(|lease| Ok(self.table().renew(&r.request_id, lease, now_ms())?));
         traced(span, t)
@@ -143,12 +144,12 @@ impl pb::kv_broker_server::KvBroker for Broker {
     /// The current ticket, then each change, ending after a terminal state.
     async fn watch_ticket(&self, req: Request<pb::WatchTicketRequest>) -> Result<Response<TicketStream>, Status> {
         // The span lasts until the ticket ends (or the watcher goes away).
-        let span = telemetry::server_span("pdmesh.kvbroker.v1.KvBroker/WatchTicket", &req);
+        let span = telemetry::server_span(rpc::KVBROKER_WATCH_TICKET, &req);
         let id = req.into_inner().request_id;
         if id.is_empty() {
             return telemetry::finish(&span, Err(Error::Invalid("request_id is required".into()).into()));
         }
-        span.set_attribute("pdmesh.ticket", id.clone());
+        span.set_attribute(attr::TICKET, id.clone());
         let mut rx = self.table().subscribe(&id, now_ms());
         let (tx, out) = tokio::sync::mpsc::channel(8);
         tokio::spawn(
@@ -156,7 +157,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
                 loop {
                     let t = rx.borrow_and_update().clone();
                     let end = is_terminal(state(&t));
-                    tracing::Span::current().set_attribute("pdmesh.ticket.state", state(&t).as_str_name());
+                    tracing::Span::current().set_attribute(attr::TICKET_STATE, state(&t).as_str_name());
                     if tx.send(Ok(t)).await.is_err() || end {
                         return;
                     }

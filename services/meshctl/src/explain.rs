@@ -25,6 +25,7 @@
 use serde_json::{json, Value};
 
 use crate::trace::Span;
+use pdmesh_core::vocab::{attr, pick_key, rpc, span};
 
 pub const CAUSES: &[&str] = &[
     "gateway/proxy",
@@ -58,7 +59,7 @@ pub struct Explanation {
     pub spans: usize,
 }
 
-fn find<'a>(spans: &'a [Span], pred: impl Fn(&Span) -> bool) -> Option<&'a Span> {
+fn find(spans: &[Span], pred: impl Fn(&Span) -> bool) -> Option<&Span> {
     // The last one started: with retries, the attempt that went through.
     spans.iter().filter(|s| pred(s)).max_by_key(|s| s.start_ns)
 }
@@ -77,7 +78,7 @@ fn int(s: Option<&Span>, key: &str) -> Option<i64> {
 }
 
 fn instance(s: Option<&Span>) -> String {
-    s.and_then(|s| s.attr_str("service.instance.id")).unwrap_or("?").to_string()
+    s.and_then(|s| s.attr_str(attr::SERVICE_INSTANCE_ID)).unwrap_or("?").to_string()
 }
 
 /// Attribute a trace's time to causes.
@@ -87,22 +88,22 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
     }
     let trace_id = spans[0].trace_id.clone();
     let gateway = find(spans, |s| s.service == "pdmesh-gateway" && s.kind == "server");
-    let router = find(spans, |s| is_rpc(s, "pdmesh.router.v1.Router/Generate", "server"));
+    let router = find(spans, |s| is_rpc(s, rpc::ROUTER_GENERATE, "server"));
     let outer = gateway.or(router).ok_or("the trace has neither a gateway request span nor a router Generate span")?;
-    let tokenize = child_of(spans, router, "tokenize");
-    let prefill = find(spans, |s| is_rpc(s, "pdmesh.prefill.v1.Prefill/Prefill", "server"));
-    let queued = child_of(spans, prefill, "queued");
-    let forward = child_of(spans, prefill, "prefill_forward");
-    let xfer = child_of(spans, prefill, "kv_transfer");
-    let decode_loop = find(spans, |s| s.name == "decode_loop");
+    let tokenize = child_of(spans, router, span::TOKENIZE);
+    let prefill = find(spans, |s| is_rpc(s, rpc::PREFILL_PREFILL, "server"));
+    let queued = child_of(spans, prefill, span::QUEUED);
+    let forward = child_of(spans, prefill, span::PREFILL_FORWARD);
+    let xfer = child_of(spans, prefill, span::KV_TRANSFER);
+    let decode_loop = find(spans, |s| s.name == span::DECODE_LOOP);
     let decode = decode_loop
         .and_then(|l| spans.iter().find(|s| s.span_id == l.parent_id))
-        .or_else(|| find(spans, |s| is_rpc(s, "pdmesh.decode.v1.Decode/Generate", "server")));
-    let admit = child_of(spans, decode, "admit");
-    let detok = child_of(spans, router, "detokenize");
+        .or_else(|| find(spans, |s| is_rpc(s, rpc::DECODE_GENERATE, "server")));
+    let admit = child_of(spans, decode, span::ADMIT);
+    let detok = child_of(spans, router, span::DETOKENIZE);
 
     let (t0, t_end) = (outer.start_ns, outer.end_ns);
-    let tail_ns = gateway.and_then(|g| g.attr_f64("gateway.client_tail_ms")).map_or(0, |ms| (ms * 1e6) as u64);
+    let tail_ns = gateway.and_then(|g| g.attr_f64(attr::CLIENT_TAIL_MS)).map_or(0, |ms| (ms * 1e6) as u64);
     let limit = t_end.saturating_sub(tail_ns).max(t0);
     let mut acc: Vec<(&'static str, u64)> = CAUSES.iter().map(|c| (*c, 0u64)).collect();
     let mut cursor = t0;
@@ -138,64 +139,66 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
         match cause {
             "gateway/proxy" => format!("gateway {}", instance(gateway)),
             "router" => {
-                let route = find(spans, |s| s.name == "route");
+                let route = find(spans, |s| s.name == span::ROUTE);
                 let pick = route
                     .map(|r| {
                         format!(
                             "picked {} and {}",
-                            r.attr_str("prefill.instance").unwrap_or("?"),
-                            r.attr_str("decode.instance").unwrap_or("?")
+                            r.attr_str(&pick_key("prefill", attr::PICK_INSTANCE)).unwrap_or("?"),
+                            r.attr_str(&pick_key("decode", attr::PICK_INSTANCE)).unwrap_or("?")
                         )
                     })
                     .unwrap_or_default();
                 format!("router {}; {pick}", instance(router))
             }
-            "tokenize" => format!("{} prompt tokens", int(tokenize, "prompt_tokens").unwrap_or(0)),
+            "tokenize" => format!("{} prompt tokens", int(tokenize, attr::PROMPT_TOKENS).unwrap_or(0)),
             "queue wait" => format!(
                 "behind {} running and {} queued on {}{}",
-                int(queued, "prefill.running").unwrap_or(0),
-                int(queued, "prefill.queue_depth").unwrap_or(0),
+                int(queued, attr::PREFILL_RUNNING).unwrap_or(0),
+                int(queued, attr::PREFILL_QUEUE_DEPTH).unwrap_or(0),
                 instance(prefill),
-                int(queued, "queue.held_ms")
+                int(queued, attr::QUEUE_HELD_MS)
                     .map(|h| format!(" (queue held {h} ms by a fault switch)"))
                     .unwrap_or_default()
             ),
             "prefill compute" => format!(
                 "{} prompt tokens in a batch of {} ({} tokens)",
-                int(forward, "prompt_tokens").unwrap_or(0),
-                int(forward, "batch_size").unwrap_or(0),
-                int(forward, "batch_tokens").unwrap_or(0)
+                int(forward, attr::PROMPT_TOKENS).unwrap_or(0),
+                int(forward, attr::BATCH_SIZE).unwrap_or(0),
+                int(forward, attr::BATCH_TOKENS).unwrap_or(0)
             ),
             "decode admission" => format!(
                 "{} running, {} awaiting KV on {}",
-                int(admit, "decode.running").unwrap_or(0),
-                int(admit, "decode.awaiting_kv").unwrap_or(0),
+                int(admit, attr::DECODE_RUNNING).unwrap_or(0),
+                int(admit, attr::DECODE_AWAITING_KV).unwrap_or(0),
                 instance(decode)
             ),
             "KV transfer" => format!(
                 "{} bytes over {} (write {:.1} ms){}",
-                int(xfer, "kv.bytes").unwrap_or(0),
-                xfer.and_then(|x| x.attr_str("kv.transport")).unwrap_or("?"),
-                xfer.and_then(|x| x.attr_f64("kv.write_ms")).unwrap_or(0.0),
-                int(xfer, "fault.stall_ms").map(|s| format!(", stalled {s} ms by a fault switch")).unwrap_or_default()
+                int(xfer, attr::KV_BYTES).unwrap_or(0),
+                xfer.and_then(|x| x.attr_str(attr::KV_TRANSPORT)).unwrap_or("?"),
+                xfer.and_then(|x| x.attr_f64(attr::KV_WRITE_MS)).unwrap_or(0.0),
+                int(xfer, attr::FAULT_STALL_MS)
+                    .map(|s| format!(", stalled {s} ms by a fault switch"))
+                    .unwrap_or_default()
             ),
             "decode steps" => format!(
                 "{} steps, batch mean {:.1} max {}, {} already running on {} when it joined",
-                int(decode_loop, "decode.steps").unwrap_or(0),
-                decode_loop.and_then(|l| l.attr_f64("decode.batch_mean")).unwrap_or(0.0),
-                int(decode_loop, "decode.batch_max").unwrap_or(0),
-                int(decode_loop, "decode.running_on_join").unwrap_or(0),
+                int(decode_loop, attr::DECODE_STEPS).unwrap_or(0),
+                decode_loop.and_then(|l| l.attr_f64(attr::DECODE_BATCH_MEAN)).unwrap_or(0.0),
+                int(decode_loop, attr::DECODE_BATCH_MAX).unwrap_or(0),
+                int(decode_loop, attr::DECODE_RUNNING_ON_JOIN).unwrap_or(0),
                 instance(decode)
             ),
             "detokenize" => format!(
                 "{} calls, {:.1} ms busy in all",
-                int(detok, "detokenize.calls").unwrap_or(0),
-                detok.and_then(|d| d.attr_f64("detokenize.busy_ms")).unwrap_or(0.0)
+                int(detok, attr::DETOKENIZE_CALLS).unwrap_or(0),
+                detok.and_then(|d| d.attr_f64(attr::DETOKENIZE_BUSY_MS)).unwrap_or(0.0)
             ),
             "client write" => format!(
                 "response data waited {:.0} ms in all for the client to read it ({} chunks)",
-                gateway.and_then(|g| g.attr_f64("gateway.client_wait_ms")).unwrap_or(0.0),
-                int(gateway, "gateway.chunks").unwrap_or(0)
+                gateway.and_then(|g| g.attr_f64(attr::CLIENT_WAIT_MS)).unwrap_or(0.0),
+                int(gateway, attr::CHUNKS).unwrap_or(0)
             ),
             _ => String::new(),
         }

@@ -361,6 +361,7 @@ pub fn parse_trace_id(s: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdmesh_core::vocab::rpc;
 
     fn span(
         id: &str,
@@ -399,16 +400,7 @@ mod tests {
                 1000,
                 &[("gateway.client_tail_ms", json!(100.0))],
             ),
-            span(
-                "0000000000000002",
-                "0000000000000001",
-                "pdmesh.router.v1.Router/Generate",
-                "pdmesh-router",
-                "server",
-                2,
-                890,
-                &[],
-            ),
+            span("0000000000000002", "0000000000000001", rpc::ROUTER_GENERATE, "pdmesh-router", "server", 2, 890, &[]),
             span(
                 "0000000000000003",
                 "0000000000000002",
@@ -422,7 +414,7 @@ mod tests {
             span(
                 "0000000000000004",
                 "0000000000000002",
-                "pdmesh.prefill.v1.Prefill/Prefill",
+                rpc::PREFILL_PREFILL,
                 "pdmesh-prefill",
                 "server",
                 10,
@@ -459,16 +451,7 @@ mod tests {
                 398,
                 &[("kv.transport", json!("nixl"))],
             ),
-            span(
-                "0000000000000008",
-                "0000000000000002",
-                "pdmesh.decode.v1.Decode/Generate",
-                "pdmesh-decode",
-                "server",
-                10,
-                880,
-                &[],
-            ),
+            span("0000000000000008", "0000000000000002", rpc::DECODE_GENERATE, "pdmesh-decode", "server", 10, 880, &[]),
             span("0000000000000009", "0000000000000008", "admit", "pdmesh-decode", "internal", 10, 15, &[]),
             span(
                 "000000000000000a",

@@ -12,6 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
+use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
@@ -123,11 +124,11 @@ impl Batcher {
             let mut g = self.q.state.lock().unwrap_or_else(|e| e.into_inner());
             let span = tracing::Span::current();
             let queued = tracing::info_span!(
-                "queued",
-                prefill.queue_depth = g.jobs.len() as i64,
-                prefill.running = self.stats.running.load(Ordering::Relaxed) as i64,
-                prompt_tokens = prompt.len() as i64,
-                queue.held_ms = tracing::field::Empty,
+                span::QUEUED,
+                { attr::PREFILL_QUEUE_DEPTH } = g.jobs.len() as i64,
+                { attr::PREFILL_RUNNING } = self.stats.running.load(Ordering::Relaxed) as i64,
+                { attr::PROMPT_TOKENS } = prompt.len() as i64,
+                { attr::QUEUE_HELD_MS } = tracing::field::Empty,
             );
             g.jobs.push_back(Job { prompt, params, reply, span, queued, enqueued: Instant::now() });
             self.stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
@@ -204,7 +205,7 @@ fn run(
                     break;
                 }
                 if !hold.is_zero() {
-                    j.queued.record("queue.held_ms", hold.as_millis() as i64);
+                    j.queued.record(attr::QUEUE_HELD_MS, hold.as_millis() as i64);
                 }
                 // Always take one, however long; then fill up to the budgets.
                 if !batch.is_empty() && (batch.len() >= max_batch || tokens + j.prompt.len() > batch_tokens) {
@@ -242,7 +243,7 @@ fn run(
             .iter_mut()
             .map(|job| {
                 job.queued = tracing::Span::none(); // ends the `queued` span
-                tracing::info_span!(parent: &job.span, "prefill_forward", batch_size = n_batch as i64, batch_tokens = batch_tokens as i64, prompt_tokens = job.prompt.len() as i64)
+                tracing::info_span!(parent: &job.span, span::PREFILL_FORWARD, { attr::BATCH_SIZE } = n_batch as i64, { attr::BATCH_TOKENS } = batch_tokens as i64, { attr::PROMPT_TOKENS } = job.prompt.len() as i64)
             })
             .collect();
         for job in batch {
@@ -260,7 +261,7 @@ fn run(
         }
         stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);
         if !ids.is_empty() {
-            let step = pdmesh_worker::step_span("prefill_step", forwards.iter(), n_batch);
+            let step = pdmesh_worker::step_span(span::PREFILL_STEP, forwards.iter(), n_batch);
             let t = Instant::now();
             let result = {
                 let _in = step.enter();

@@ -17,6 +17,7 @@ use pdmesh_core::telemetry;
 
 use crate::batcher::Batcher;
 use crate::transport::KvTransport;
+use pdmesh_core::vocab::{attr, rpc, span};
 
 /// Least lease time left for a KV write to start, in milliseconds.
 const WRITE_MARGIN_MS: u64 = 500;
@@ -37,10 +38,8 @@ impl Service {
     /// transfer (a restarted decode keeps its id but has a new arena and
     /// NIXL agent).
     async fn agent(&self, broker: &mut pdmesh_worker::BrokerClient, worker: &str) -> Result<kpb::Agent, Status> {
-        let (req, span) = telemetry::client_request(
-            "pdmesh.kvbroker.v1.KvBroker/GetAgent",
-            kpb::GetAgentRequest { worker_id: worker.into() },
-        );
+        let (req, span) =
+            telemetry::client_request(rpc::KVBROKER_GET_AGENT, kpb::GetAgentRequest { worker_id: worker.into() });
         let r = broker.get_agent(req).instrument(span.clone()).await;
         Ok(telemetry::finish(&span, r)
             .map_err(|e| {
@@ -70,7 +69,7 @@ impl Service {
         let first = pinned.p.first_token;
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let (mut claim, span) = telemetry::client_request(
-            "pdmesh.kvbroker.v1.KvBroker/ClaimTicket",
+            rpc::KVBROKER_CLAIM_TICKET,
             kpb::ClaimTicketRequest { request_id: r.request_id.clone(), source_worker: self.worker_id.clone() },
         );
         claim.set_timeout(self.claim_timeout);
@@ -93,15 +92,15 @@ impl Service {
         }
         // `kv_transfer`: finding the destination, the write itself, completing the ticket.
         let xfer = tracing::info_span!(
-            "kv_transfer",
-            kv.transport = tracing::field::Empty,
-            kv.bytes = tracing::field::Empty,
-            kv.blocks = pinned.p.blocks.len() as i64,
-            kv.tokens = pinned.p.n_tokens as i64,
-            kv.dest_worker = ticket.dest_worker.as_str(),
-            kv.write_ms = tracing::field::Empty,
-            kv.gbps = tracing::field::Empty,
-            fault.stall_ms = tracing::field::Empty,
+            span::KV_TRANSFER,
+            { attr::KV_TRANSPORT } = tracing::field::Empty,
+            { attr::KV_BYTES } = tracing::field::Empty,
+            { attr::KV_BLOCKS } = pinned.p.blocks.len() as i64,
+            { attr::KV_TOKENS } = pinned.p.n_tokens as i64,
+            { attr::KV_DEST_WORKER } = ticket.dest_worker.as_str(),
+            { attr::KV_WRITE_MS } = tracing::field::Empty,
+            { attr::KV_GBPS } = tracing::field::Empty,
+            { attr::FAULT_STALL_MS } = tracing::field::Empty,
         );
         let r2 = self.transfer(&r.request_id, ticket, pinned, first, &mut broker).instrument(xfer.clone()).await;
         if let Err(e) = &r2 {
@@ -123,10 +122,10 @@ impl Service {
         let transport = self.transports.iter().find(|t| t.reaches(&agent)).ok_or_else(|| {
             Status::failed_precondition(format!("no transport reaches decode worker {}", ticket.dest_worker))
         })?;
-        span.record("kv.transport", transport.name());
+        span.record(attr::KV_TRANSPORT, transport.name());
         let stall = pdmesh_core::faults::get("prefill.transfer_delay_ms");
         if stall > 0 {
-            span.record("fault.stall_ms", stall as i64);
+            span.record(attr::FAULT_STALL_MS, stall as i64);
         }
         if stall > 0 {
             // While stalled, follow the ticket: if it ends, give up at once.
@@ -163,7 +162,7 @@ impl Service {
             return Err(Status::deadline_exceeded(why));
         }
         let (begin, bspan) = telemetry::client_request(
-            "pdmesh.kvbroker.v1.KvBroker/BeginWrite",
+            rpc::KVBROKER_BEGIN_WRITE,
             kpb::BeginWriteRequest { request_id: request_id.to_string() },
         );
         let begun = broker.begin_write(begin).instrument(bspan.clone()).await;
@@ -178,9 +177,9 @@ impl Service {
             Ok(bytes) => {
                 let st = &self.batcher.stats;
                 let secs = t0.elapsed().as_secs_f64();
-                span.record("kv.bytes", bytes as i64);
-                span.record("kv.write_ms", secs * 1e3);
-                span.record("kv.gbps", bytes as f64 / secs.max(1e-9) / 1e9);
+                span.record(attr::KV_BYTES, bytes as i64);
+                span.record(attr::KV_WRITE_MS, secs * 1e3);
+                span.record(attr::KV_GBPS, bytes as f64 / secs.max(1e-9) / 1e9);
                 st.transfer_seconds.observe(secs);
                 st.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
                 if name == "nixl" { &st.transfers_nixl } else { &st.transfers_tcp }.fetch_add(1, Ordering::Relaxed);
@@ -189,7 +188,7 @@ impl Service {
                     outcome: Some(kpb::complete_ticket_request::Outcome::FirstToken(first)),
                     bytes,
                 };
-                let (done, cspan) = telemetry::client_request("pdmesh.kvbroker.v1.KvBroker/CompleteTicket", done);
+                let (done, cspan) = telemetry::client_request(rpc::KVBROKER_COMPLETE_TICKET, done);
                 let completed = broker.complete_ticket(done).instrument(cspan.clone()).await;
                 telemetry::finish(&cspan, completed).map_err(|e| {
                     Status::failed_precondition(format!("ticket could not be completed: {}", e.message()))
@@ -209,7 +208,7 @@ impl Service {
     async fn renew(&self, request_id: &str) {
         let Ok(mut b) = pdmesh_worker::broker(&self.broker, Duration::from_millis(200)).await else { return };
         let (mut req, span) = telemetry::client_request(
-            "pdmesh.kvbroker.v1.KvBroker/RenewLease",
+            rpc::KVBROKER_RENEW_LEASE,
             kpb::RenewLeaseRequest { request_id: request_id.into(), lease_ms: self.lease_renew_ms as u32 },
         );
         req.set_timeout(Duration::from_secs(1));
@@ -229,7 +228,7 @@ fn fail(request_id: &str, why: &str) -> kpb::CompleteTicketRequest {
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for Service {
     async fn prefill(&self, req: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
-        let span = telemetry::server_span("pdmesh.prefill.v1.Prefill/Prefill", &req);
+        let span = telemetry::server_span(rpc::PREFILL_PREFILL, &req);
         let r = self.run(req.into_inner()).instrument(span.clone()).await;
         let r = telemetry::finish(&span, r);
         let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());

@@ -15,6 +15,7 @@ use tonic::transport::Channel;
 use tonic::Status;
 
 use crate::batcher::Pinned;
+use pdmesh_core::vocab::rpc;
 
 /// Longest a NIXL write may run (the decode quarantines abandoned blocks for 2 s).
 pub const MAX_WRITE_MS: u64 = 1_500;
@@ -137,8 +138,7 @@ impl KvTransport for TcpTransport {
             .collect();
         let mut client =
             dpb::decode_client::DecodeClient::new(self.channel(&agent.address)?).max_encoding_message_size(64 << 20);
-        let (req, span) =
-            pdmesh_core::telemetry::client_request("pdmesh.decode.v1.Decode/WriteKv", tokio_stream::iter(chunks));
+        let (req, span) = pdmesh_core::telemetry::client_request(rpc::DECODE_WRITE_KV, tokio_stream::iter(chunks));
         let r = tracing::Instrument::instrument(client.write_kv(req), span.clone()).await;
         Ok(pdmesh_core::telemetry::finish(&span, r)?.into_inner().bytes)
     }

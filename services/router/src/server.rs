@@ -27,6 +27,7 @@ use tracing::Instrument;
 use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::stop::StopMatcher;
+use pdmesh_core::vocab::{attr, pick_key, rpc, span};
 
 /// How long to wait for a worker of some kind to appear.
 const PEER_WAIT: Duration = Duration::from_secs(2);
@@ -195,7 +196,7 @@ impl Router {
             .get_or_try_init(|| async {
                 let _ = self.tokenizer.wait_any(PEER_WAIT).await;
                 let mut c = self.tokenizer_client()?;
-                let (req, span) = telemetry::client_request("pdmesh.tokenizer.v1.Tokenizer/Info", tpb::InfoRequest {});
+                let (req, span) = telemetry::client_request(rpc::TOKENIZER_INFO, tpb::InfoRequest {});
                 let r = c.info(req).instrument(span.clone()).await;
                 Ok::<_, Status>(telemetry::finish(&span, r)?.into_inner())
             })
@@ -216,7 +217,7 @@ impl Router {
             }),
         };
         let (req, span) = telemetry::client_request(
-            "pdmesh.tokenizer.v1.Tokenizer/Encode",
+            rpc::TOKENIZER_ENCODE,
             tpb::EncodeRequest { input: Some(input), parse_special: false },
         );
         let r = c.encode(req).instrument(span.clone()).await;
@@ -254,12 +255,12 @@ impl Router {
         let local = load.entry(best.grpc_addr.clone()).or_default();
         let p = polled.get(&best.grpc_addr).copied().unwrap_or_default();
         let kind = peers.service();
-        span.set_attribute(format!("{kind}.instance"), best.id.clone());
-        span.set_attribute(format!("{kind}.address"), best.grpc_addr.clone());
-        span.set_attribute(format!("{kind}.in_flight_here"), *local as i64);
-        span.set_attribute(format!("{kind}.busy_polled"), p.busy as i64);
-        span.set_attribute(format!("{kind}.kv_free_polled"), p.kv_free as i64);
-        span.set_attribute(format!("{kind}.candidates"), n as i64);
+        span.set_attribute(pick_key(kind, attr::PICK_INSTANCE), best.id.clone());
+        span.set_attribute(pick_key(kind, attr::PICK_ADDRESS), best.grpc_addr.clone());
+        span.set_attribute(pick_key(kind, attr::PICK_IN_FLIGHT_HERE), *local as i64);
+        span.set_attribute(pick_key(kind, attr::PICK_BUSY_POLLED), p.busy as i64);
+        span.set_attribute(pick_key(kind, attr::PICK_KV_FREE_POLLED), p.kv_free as i64);
+        span.set_attribute(pick_key(kind, attr::PICK_CANDIDATES), n as i64);
         *local += 1;
         drop(load);
         let ch = peers.channel(&best).map_err(Status::internal)?;
@@ -283,11 +284,11 @@ impl Router {
     /// ticket id in use when it fails (so the caller cancels it).
     async fn run(&self, job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
         let started = Instant::now();
-        let tokenize = tracing::info_span!("tokenize", prompt_tokens = tracing::field::Empty);
+        let tokenize = tracing::info_span!(span::TOKENIZE, { attr::PROMPT_TOKENS } = tracing::field::Empty);
         let prompt = async {
             let info = self.model_info().await?.clone();
             let prompt = self.encode(job.input).await?;
-            tracing::Span::current().record("prompt_tokens", prompt.len() as i64);
+            tracing::Span::current().record(attr::PROMPT_TOKENS, prompt.len() as i64);
             Ok::<_, Status>((info, prompt))
         }
         .instrument(tokenize.clone())
@@ -320,7 +321,7 @@ impl Router {
                 self.next_ticket.fetch_add(1, Ordering::Relaxed)
             );
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
-            let route = tracing::info_span!("route", policy = "least_busy", attempt);
+            let route = tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = "least_busy", { attr::ROUTE_ATTEMPT } = attempt);
             let picked = async {
                 let (d, dch, dbusy) = self.pick(&self.decode, &tried_d).await?;
                 let (p, pch, pbusy) = match self.pick(&self.prefill, &tried_p).await {
@@ -345,9 +346,9 @@ impl Router {
             let preq = ppb::PrefillRequest {
                 request_id: ticket_id.clone(),
                 prompt_ids: prompt.clone(),
-                sampling: Some(job.sampling.clone()),
+                sampling: Some(job.sampling),
             };
-            let (preq, pspan) = telemetry::client_request("pdmesh.prefill.v1.Prefill/Prefill", preq);
+            let (preq, pspan) = telemetry::client_request(rpc::PREFILL_PREFILL, preq);
             let prefill_task = AbortOnDrop(tokio::spawn(
                 async move {
                     let r = ppb::prefill_client::PrefillClient::new(pch).prefill(preq).await;
@@ -358,13 +359,13 @@ impl Router {
             let dreq = dpb::GenerateRequest {
                 request_id: ticket_id.clone(),
                 prompt_ids: prompt.clone(),
-                sampling: Some(job.sampling.clone()),
+                sampling: Some(job.sampling),
                 max_tokens: job.max_tokens,
                 stop_ids: vec![],
                 ignore_eos: job.ignore_eos,
             };
             // The decode client span lasts as long as the token stream.
-            let (dreq, dspan) = telemetry::client_request("pdmesh.decode.v1.Decode/Generate", dreq);
+            let (dreq, dspan) = telemetry::client_request(rpc::DECODE_GENERATE, dreq);
             let opened = async {
                 let mut s = dpb::decode_client::DecodeClient::new(dch).generate(dreq).await?.into_inner();
                 match s.message().await? {
@@ -445,8 +446,7 @@ impl Router {
                     match last_token {
                         None => {
                             self.metrics.ttft.observe((now - started).as_secs_f64());
-                            tracing::Span::current()
-                                .set_attribute("pdmesh.ttft_ms", (now - started).as_secs_f64() * 1e3);
+                            tracing::Span::current().set_attribute(attr::TTFT_MS, (now - started).as_secs_f64() * 1e3);
                         }
                         Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64() / t.ids.len().max(1) as f64),
                     }
@@ -471,8 +471,8 @@ impl Router {
                             rest.push_str(&m.text);
                         }
                         d.busy += t.elapsed();
-                        d.span.span().set_attribute("detokenize.busy_ms", d.busy.as_secs_f64() * 1e3);
-                        d.span.span().set_attribute("detokenize.calls", d.calls as i64);
+                        d.span.span().set_attribute(attr::DETOKENIZE_BUSY_MS, d.busy.as_secs_f64() * 1e3);
+                        d.span.span().set_attribute(attr::DETOKENIZE_CALLS, d.calls as i64);
                     }
                     let step = stops.push(&rest);
                     let mut tail = step.emit;
@@ -497,15 +497,12 @@ impl Router {
 
     async fn detokenize(&self, detok: &mut Option<Detok>, ids: Vec<u32>) -> Result<String, Status> {
         if detok.is_none() {
-            let span = tracing::info_span!("detokenize");
+            let span = tracing::info_span!(span::DETOKENIZE);
             let (s, r) = mpsc::channel(16);
             let mut c = self.tokenizer_client()?;
             let (req, rpc) = {
                 let _g = span.enter();
-                telemetry::client_request(
-                    "pdmesh.tokenizer.v1.Tokenizer/Detokenize",
-                    tokio_stream::wrappers::ReceiverStream::new(r),
-                )
+                telemetry::client_request(rpc::TOKENIZER_DETOKENIZE, tokio_stream::wrappers::ReceiverStream::new(r))
             };
             let resp = c.detokenize(req).instrument(rpc.clone()).await;
             let resp = telemetry::finish(&rpc, resp)
@@ -602,7 +599,7 @@ impl pb::router_server::Router for Service {
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<DeltaStream>, Status> {
         let router = self.0.clone();
-        let span = telemetry::server_span("pdmesh.router.v1.Router/Generate", &req);
+        let span = telemetry::server_span(rpc::ROUTER_GENERATE, &req);
         let deadline =
             pdmesh_core::grpc::request_timeout(&req).map(|t| t.min(router.timeout)).unwrap_or(router.timeout);
         let job = match router.validate(req.into_inner()) {
@@ -613,8 +610,8 @@ impl pb::router_server::Router for Service {
                 return Err(e);
             }
         };
-        span.set_attribute("pdmesh.request_id", job.request_id.clone());
-        span.set_attribute("pdmesh.max_tokens", job.max_tokens as i64);
+        span.set_attribute(attr::REQUEST_ID, job.request_id.clone());
+        span.set_attribute(attr::MAX_TOKENS, job.max_tokens as i64);
         let trace_id = telemetry::trace_id(&span);
         let (tx, rx) = mpsc::channel(64);
         router.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -639,7 +636,7 @@ impl pb::router_server::Router for Service {
             router.metrics.outcomes.inc(outcome_of(code));
             router.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
             let span = tracing::Span::current();
-            span.record("rpc.grpc.status_code", code as i64);
+            span.record(attr::RPC_STATUS_CODE, code as i64);
             if code != tonic::Code::Ok {
                 telemetry::mark_error(&span, &format!("{code:?}"));
             }

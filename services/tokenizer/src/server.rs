@@ -13,6 +13,7 @@ use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::error::Error;
 use crate::metrics::{self, outcome_of, Metrics, Outcome};
+use pdmesh_core::vocab::{attr, rpc};
 
 pub struct Service {
     pub tok: Arc<Tokenizer>,
@@ -35,10 +36,10 @@ type TextStream = Pin<Box<dyn Stream<Item = Result<pb::DetokenizeResponse, Statu
 #[tonic::async_trait]
 impl pb::tokenizer_server::Tokenizer for Service {
     async fn encode(&self, req: Request<pb::EncodeRequest>) -> Result<Response<pb::EncodeResponse>, Status> {
-        let span = telemetry::server_span("pdmesh.tokenizer.v1.Tokenizer/Encode", &req);
+        let span = telemetry::server_span(rpc::TOKENIZER_ENCODE, &req);
         let r = self.encode_inner(req.into_inner()).instrument(span.clone()).await;
         if let Ok(r) = &r {
-            span.set_attribute("tokens", r.ids.len() as i64);
+            span.set_attribute(attr::TOKENS, r.ids.len() as i64);
         }
         let r = telemetry::finish(&span, r);
         self.metrics.record(metrics::ENCODE, r.as_ref().map_or_else(outcome_of, |_| Outcome::Ok));
@@ -49,7 +50,7 @@ impl pb::tokenizer_server::Tokenizer for Service {
 
     async fn detokenize(&self, req: Request<Streaming<pb::DetokenizeRequest>>) -> Result<Response<TextStream>, Status> {
         // The span lasts as long as the stream.
-        let span = telemetry::server_span("pdmesh.tokenizer.v1.Tokenizer/Detokenize", &req);
+        let span = telemetry::server_span(rpc::TOKENIZER_DETOKENIZE, &req);
         let mut input = req.into_inner();
         let tok = self.tok.clone();
         let vocab = tok.vocab_size() as u32;
@@ -59,7 +60,7 @@ impl pb::tokenizer_server::Tokenizer for Service {
                 let outcome = detokenize_loop(&tok, vocab, &mut input, &tx).await;
                 metrics.record(metrics::DETOKENIZE, outcome);
                 let span = tracing::Span::current();
-                span.set_attribute("outcome", format!("{outcome:?}"));
+                span.set_attribute(attr::OUTCOME, format!("{outcome:?}"));
                 if !matches!(outcome, Outcome::Ok) {
                     telemetry::mark_error(&span, &format!("{outcome:?}"));
                 }
@@ -70,7 +71,7 @@ impl pb::tokenizer_server::Tokenizer for Service {
     }
 
     async fn info(&self, req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
-        let _span = telemetry::server_span("pdmesh.tokenizer.v1.Tokenizer/Info", &req);
+        let _span = telemetry::server_span(rpc::TOKENIZER_INFO, &req);
         self.metrics.record(metrics::INFO, Outcome::Ok);
         Ok(Response::new(self.info.clone()))
     }

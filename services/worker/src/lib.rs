@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use pdmesh_core::peers::Peers;
+use pdmesh_core::vocab::attr;
 use pdmesh_engine::{Engine, EngineError, EngineOptions, KvLayout, Model, SamplingParams};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::kvbroker::v1 as kpb;
@@ -113,7 +114,7 @@ pub fn step_span<'a>(
         }
     }
     let Some(parent) = parent else { return tracing::Span::none() };
-    let span = tracing::info_span!(parent: &parent, "step", otel.name = name, batch_size = batch as i64);
+    let span = tracing::info_span!(parent: &parent, "step", otel.name = name, { attr::BATCH_SIZE } = batch as i64);
     for cx in links {
         span.add_link(cx);
     }

@@ -1,0 +1,144 @@
+//! One vocabulary for spans and metrics: the names every service writes and
+//! `meshctl explain` reads. A name lives here once; services use the
+//! constant (in `tracing` macros as `{ attr::KV_BYTES } = value`) and readers
+//! match on the same constant, so a rename cannot split writer from reader.
+//!
+//! Internal spans are short snake_case verbs; attribute keys are dotted
+//! (`kv.bytes`, `decode.running`), OpenTelemetry's own keys where one exists.
+
+/// Span names (the OpenTelemetry span name is the `tracing` span name,
+/// except RPC spans, whose name is the gRPC method: see [`rpc`]).
+pub mod span {
+    /// Router: encoding the prompt at the tokenizer.
+    pub const TOKENIZE: &str = "tokenize";
+    /// Router: choosing the prefill and decode worker.
+    pub const ROUTE: &str = "route";
+    /// Router: the incremental detokenize stream, first token to last.
+    pub const DETOKENIZE: &str = "detokenize";
+    /// Prefill: waiting in the queue for a step.
+    pub const QUEUED: &str = "queued";
+    /// Prefill: the request's prompt forward (all its steps).
+    pub const PREFILL_FORWARD: &str = "prefill_forward";
+    /// Prefill: one batched engine step (links to its requests).
+    pub const PREFILL_STEP: &str = "prefill_step";
+    /// Prefill: finding the destination, writing the KV, completing the ticket.
+    pub const KV_TRANSFER: &str = "kv_transfer";
+    /// Decode: reserving blocks and opening the ticket.
+    pub const ADMIT: &str = "admit";
+    /// Decode: waiting for the prefill's KV (the ticket's watch).
+    pub const AWAIT_KV: &str = "await_kv";
+    /// Decode: the request's life in the running batch.
+    pub const DECODE_LOOP: &str = "decode_loop";
+    /// Decode: one batched engine step (links to its requests).
+    pub const DECODE_STEP: &str = "decode_step";
+    /// Gateway: the HTTP request (root span; its OpenTelemetry name is `POST <path>`).
+    pub const HTTP_SERVER: &str = "http.server";
+    /// Any gRPC call (its OpenTelemetry name is the method).
+    pub const GRPC: &str = "grpc";
+}
+
+/// gRPC methods, which are the names of RPC spans.
+pub mod rpc {
+    pub const ROUTER_GENERATE: &str = "pdmesh.router.v1.Router/Generate";
+    pub const TOKENIZER_ENCODE: &str = "pdmesh.tokenizer.v1.Tokenizer/Encode";
+    pub const TOKENIZER_DETOKENIZE: &str = "pdmesh.tokenizer.v1.Tokenizer/Detokenize";
+    pub const TOKENIZER_INFO: &str = "pdmesh.tokenizer.v1.Tokenizer/Info";
+    pub const PREFILL_PREFILL: &str = "pdmesh.prefill.v1.Prefill/Prefill";
+    pub const DECODE_GENERATE: &str = "pdmesh.decode.v1.Decode/Generate";
+    pub const DECODE_WRITE_KV: &str = "pdmesh.decode.v1.Decode/WriteKv";
+    pub const KVBROKER_OPEN_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/OpenTicket";
+    pub const KVBROKER_CLAIM_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/ClaimTicket";
+    pub const KVBROKER_BEGIN_WRITE: &str = "pdmesh.kvbroker.v1.KvBroker/BeginWrite";
+    pub const KVBROKER_COMPLETE_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/CompleteTicket";
+    pub const KVBROKER_WATCH_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/WatchTicket";
+    pub const KVBROKER_CANCEL_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/CancelTicket";
+    pub const KVBROKER_RENEW_LEASE: &str = "pdmesh.kvbroker.v1.KvBroker/RenewLease";
+    pub const KVBROKER_GET_AGENT: &str = "pdmesh.kvbroker.v1.KvBroker/GetAgent";
+}
+
+/// Span attribute keys.
+pub mod attr {
+    // Identity (resource attributes, repeated on every span).
+    pub const SERVICE_NAME: &str = "service.name";
+    pub const SERVICE_INSTANCE_ID: &str = "service.instance.id";
+    pub const SERVICE_VERSION: &str = "service.version";
+    pub const CONFIG_HASH: &str = "pdmesh.config_hash";
+
+    // RPC and HTTP (OpenTelemetry semantic conventions).
+    pub const RPC_STATUS_CODE: &str = "rpc.grpc.status_code";
+    pub const HTTP_STATUS_CODE: &str = "http.response.status_code";
+
+    // The request.
+    pub const REQUEST_ID: &str = "pdmesh.request_id";
+    pub const MAX_TOKENS: &str = "pdmesh.max_tokens";
+    pub const TTFT_MS: &str = "pdmesh.ttft_ms";
+    pub const PROMPT_TOKENS: &str = "prompt_tokens";
+
+    // Gateway: the client's side of the response.
+    pub const CLIENT_WAIT_MS: &str = "gateway.client_wait_ms";
+    pub const CLIENT_TAIL_MS: &str = "gateway.client_tail_ms";
+    pub const CHUNKS: &str = "gateway.chunks";
+
+    // Router: `route` (each key is prefixed by the worker kind: `prefill.`, `decode.`).
+    pub const ROUTE_POLICY: &str = "policy";
+    pub const ROUTE_ATTEMPT: &str = "attempt";
+    pub const PICK_INSTANCE: &str = "instance";
+    pub const PICK_ADDRESS: &str = "address";
+    pub const PICK_IN_FLIGHT_HERE: &str = "in_flight_here";
+    pub const PICK_BUSY_POLLED: &str = "busy_polled";
+    pub const PICK_KV_FREE_POLLED: &str = "kv_free_polled";
+    pub const PICK_CANDIDATES: &str = "candidates";
+    pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
+    pub const DETOKENIZE_BUSY_MS: &str = "detokenize.busy_ms";
+
+    // Prefill.
+    pub const PREFILL_QUEUE_DEPTH: &str = "prefill.queue_depth";
+    pub const PREFILL_RUNNING: &str = "prefill.running";
+    pub const QUEUE_HELD_MS: &str = "queue.held_ms";
+    pub const BATCH_SIZE: &str = "batch_size";
+    pub const BATCH_TOKENS: &str = "batch_tokens";
+
+    // KV transfer.
+    pub const KV_TRANSPORT: &str = "kv.transport";
+    pub const KV_BYTES: &str = "kv.bytes";
+    pub const KV_BLOCKS: &str = "kv.blocks";
+    pub const KV_TOKENS: &str = "kv.tokens";
+    pub const KV_DEST_WORKER: &str = "kv.dest_worker";
+    pub const KV_WRITE_MS: &str = "kv.write_ms";
+    pub const KV_GBPS: &str = "kv.gbps";
+    pub const FAULT_STALL_MS: &str = "fault.stall_ms";
+
+    // Decode.
+    pub const DECODE_RUNNING: &str = "decode.running";
+    pub const DECODE_WAITING: &str = "decode.waiting";
+    pub const DECODE_AWAITING_KV: &str = "decode.awaiting_kv";
+    pub const KV_BLOCKS_USED: &str = "kv_blocks_used";
+    pub const KV_BLOCKS_TOTAL: &str = "kv_blocks_total";
+    pub const KV_BLOCKS_RESERVED: &str = "kv_blocks_reserved";
+    pub const DECODE_RUNNING_ON_JOIN: &str = "decode.running_on_join";
+    pub const DECODE_WAITING_ON_JOIN: &str = "decode.waiting_on_join";
+    pub const DECODE_STEPS: &str = "decode.steps";
+    pub const DECODE_TOKENS: &str = "decode.tokens";
+    pub const DECODE_BATCH_MAX: &str = "decode.batch_max";
+    pub const DECODE_BATCH_MEAN: &str = "decode.batch_mean";
+
+    // Broker tickets.
+    pub const TICKET: &str = "pdmesh.ticket";
+    pub const TICKET_STATE: &str = "pdmesh.ticket.state";
+    pub const TICKET_BLOCKS: &str = "pdmesh.ticket.blocks";
+    pub const TICKET_LEASE_MS: &str = "pdmesh.ticket.lease_ms";
+    pub const TICKET_KV_BYTES: &str = "pdmesh.kv.bytes";
+
+    // Tokenizer.
+    pub const TOKENS: &str = "tokens";
+    pub const OUTCOME: &str = "outcome";
+
+    // Kernel-launch spans are named and keyed in the engine
+    // (`pdmesh_engine::model::kernel_attr`), which does not link this crate.
+}
+
+/// The attribute key `<kind>.<key>` of a worker pick on the `route` span
+/// (`prefill.instance`, `decode.busy_polled`, ...).
+pub fn pick_key(kind: &str, key: &str) -> String {
+    format!("{kind}.{key}")
+}
