@@ -276,13 +276,7 @@ fn draw_timeline<DB: DrawingBackend>(
 type DrawPng<'a> = dyn Fn(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String> + 'a;
 type DrawSvg<'a> = dyn Fn(&DrawingArea<SVGBackend, Shift>) -> Result<(), String> + 'a;
 
-fn both(
-    prefix: &Path,
-    name: &str,
-    size: (u32, u32),
-    f: &DrawPng<'_>,
-    g: &DrawSvg<'_>,
-) -> Result<Vec<PathBuf>, String> {
+fn both(prefix: &Path, name: &str, size: (u32, u32), f: &DrawPng<'_>, g: &DrawSvg<'_>) -> Result<Vec<PathBuf>, String> {
     let stem = prefix.file_name().and_then(|s| s.to_str()).unwrap_or("loadtest");
     let png = prefix.with_file_name(format!("{stem}-{name}.png"));
     let svg = prefix.with_file_name(format!("{stem}-{name}.svg"));

@@ -161,7 +161,6 @@ pub fn init(args: &TelemetryArgs, id: &Identity) -> Result<bool, TelemetryError>
     Ok(true)
 }
 
-
 /// Export what is still buffered; call once when the process stops.
 pub async fn shutdown() {
     if let Some(p) = PROVIDER.get() {

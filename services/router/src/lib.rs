@@ -6,8 +6,14 @@
 //! status — cancelling the transfer so both workers free their blocks.
 
 pub mod config;
+mod dispatch;
+mod error;
+mod load;
+pub mod pick;
+mod relay;
 pub mod server;
 pub mod stop;
+mod validate;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -75,13 +81,14 @@ pub async fn serve(
         retries: config.retries,
         max_stop: config.max_stop,
         metrics,
-        load: Default::default(),
-        polled: Default::default(),
+        loads: Default::default(),
         info: Default::default(),
         next_id: Default::default(),
         next_ticket: Default::default(),
     });
-    let _poller = server::AbortOnDrop(tokio::spawn(server::poll_loads(router.clone(), Duration::from_millis(250))));
+    let workers = [router.prefill.clone(), router.decode.clone()];
+    let poll = load::poll_loads(router.loads.clone(), workers, Duration::from_millis(250));
+    let _poller = server::AbortOnDrop(tokio::spawn(poll));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
     let (routes, health) =
         pdmesh_core::grpc::standard_routes(routes, "pdmesh.router.v1.Router").await.map_err(Error::Setup)?;

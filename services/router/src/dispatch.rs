@@ -1,0 +1,205 @@
+//! Dispatch: pick a decode and a prefill worker, send the prompt to both at
+//! once (the decode reserves blocks and opens the ticket, the prefill fills
+//! them), and retry on another pair when a decode worker refuses.
+
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+use pdmesh_core::discovery::Instance;
+use pdmesh_core::peers::Peers;
+use pdmesh_core::telemetry::{self, SpanExt};
+use pdmesh_core::vocab::{attr, pick_key, rpc, span};
+use pdmesh_proto::decode::v1 as dpb;
+use pdmesh_proto::prefill::v1 as ppb;
+use tonic::transport::Channel;
+use tonic::Status;
+use tracing::Instrument;
+
+use crate::error::{decode_refusal, retryable};
+use crate::load::Busy;
+use crate::pick::{least_busy, Candidate};
+use crate::server::{AbortOnDrop, Router, PEER_WAIT};
+use crate::validate::Job;
+
+/// A worker chosen for one attempt, counted as busy while held.
+pub struct Picked {
+    inst: Instance,
+    ch: Channel,
+    busy: Busy,
+}
+
+/// The prefill and decode worker serving a request: counted as busy, the
+/// decode stream's client span, and their instance ids, while it runs.
+pub struct Pair {
+    _busy: (Busy, Busy),
+    pub decode_rpc: telemetry::Held,
+    /// [prefill, decode]
+    pub workers: [String; 2],
+}
+
+pub type PrefillCall = AbortOnDrop<Result<tonic::Response<ppb::PrefillResponse>, Status>>;
+
+/// A request admitted by a decode worker, its prefill under way.
+pub struct Dispatched {
+    pub stream: tonic::Streaming<dpb::GenerateResponse>,
+    pub prefill: PrefillCall,
+    pub pair: Pair,
+}
+
+impl Router {
+    /// Dispatch `prompt` until a decode worker admits it. `ticket` holds the
+    /// ticket id in use, so the caller can cancel it if the request fails.
+    pub async fn dispatch(&self, job: &Job, prompt: &[u32], ticket: &Mutex<String>) -> Result<Dispatched, Status> {
+        let mut tried_d: Vec<String> = Vec::new();
+        let mut tried_p: Vec<String> = Vec::new();
+        let mut attempt = 0u32;
+        loop {
+            let ticket_id = self.ticket_id(&job.request_id, attempt);
+            *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
+            let (d, p) = self.route(attempt, &tried_d, &mut tried_p).await?;
+            let (d_addr, d_id, p_addr) = (d.inst.grpc_addr.clone(), d.inst.id.clone(), p.inst.grpc_addr.clone());
+            let e = match self.attempt(job, prompt, &ticket_id, d, p).await {
+                Ok(x) => return Ok(x),
+                Err(e) => e,
+            };
+            self.cancel_ticket(&ticket_id, "decode refused the request").await;
+            let other =
+                self.decode.instances().iter().any(|i| i.grpc_addr != d_addr && !tried_d.contains(&i.grpc_addr));
+            if !retryable(&e) || !other || attempt >= self.retries {
+                return Err(decode_refusal(e, &d_id));
+            }
+            tried_d.push(d_addr);
+            tried_p.push(p_addr);
+            attempt += 1;
+        }
+    }
+
+    /// The ticket id is the request id made unique: callers may reuse
+    /// request ids, and the broker remembers ended tickets for a while.
+    fn ticket_id(&self, request_id: &str, attempt: u32) -> String {
+        let n = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        format!("{request_id}#{:x}.{n}.{attempt}", std::process::id())
+    }
+
+    /// The `route` span: a decode worker not yet tried, then a prefill
+    /// worker (every prefill may be tried again once all were).
+    async fn route(
+        &self,
+        attempt: u32,
+        tried_d: &[String],
+        tried_p: &mut Vec<String>,
+    ) -> Result<(Picked, Picked), Status> {
+        let route =
+            tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = "least_busy", { attr::ROUTE_ATTEMPT } = attempt);
+        let picked = async {
+            let d = self.pick(&self.decode, tried_d).await?;
+            let p = match self.pick(&self.prefill, tried_p).await {
+                Ok(p) => p,
+                Err(_) if !tried_p.is_empty() => {
+                    tried_p.clear();
+                    self.pick(&self.prefill, tried_p).await?
+                }
+                Err(e) => return Err(e),
+            };
+            Ok((d, p))
+        }
+        .instrument(route.clone())
+        .await;
+        if let Err(e) = &picked {
+            telemetry::mark_error(&route, e.message());
+        }
+        picked
+    }
+
+    /// The least busy live instance of `peers` not in `tried`
+    /// ([`least_busy`]), recorded on the current (`route`) span.
+    async fn pick(&self, peers: &Peers, tried: &[String]) -> Result<Picked, Status> {
+        let kind = peers.service();
+        let list =
+            peers.wait_any(PEER_WAIT).await.ok_or_else(|| Status::unavailable(format!("no live {kind} worker")))?;
+        let rotation = self.next_id.load(Ordering::Relaxed) as usize;
+        let (i, seen, busy) = self
+            .loads
+            .pick(&list, tried, |c| least_busy(c, rotation))
+            .ok_or_else(|| Status::unavailable(format!("every {kind} worker refused or failed")))?;
+        let inst = list[i].clone();
+        record_pick(kind, &inst, seen, list.len());
+        let ch = peers.channel(&inst).map_err(Status::internal)?;
+        Ok(Picked { inst, ch, busy })
+    }
+
+    /// One attempt: start the prefill, open the decode stream and wait for
+    /// its admission. On refusal the prefill call is dropped (aborted).
+    async fn attempt(
+        &self,
+        job: &Job,
+        prompt: &[u32],
+        ticket_id: &str,
+        d: Picked,
+        p: Picked,
+    ) -> Result<Dispatched, Status> {
+        let prefill = start_prefill(job, prompt, ticket_id, p.ch);
+        let dreq = dpb::GenerateRequest {
+            request_id: ticket_id.to_string(),
+            prompt_ids: prompt.to_vec(),
+            sampling: Some(job.sampling),
+            max_tokens: job.max_tokens,
+            stop_ids: vec![],
+            ignore_eos: job.ignore_eos,
+        };
+        // The decode client span lasts as long as the token stream.
+        let (dreq, dspan) = telemetry::client_request(rpc::DECODE_GENERATE, dreq);
+        let opened = async {
+            let mut s = dpb::decode_client::DecodeClient::new(d.ch).generate(dreq).await?.into_inner();
+            match s.message().await? {
+                Some(dpb::GenerateResponse { event: Some(dpb::generate_response::Event::Admitted(_)) }) => Ok(s),
+                _ => Err(Status::internal("decode worker did not admit the request")),
+            }
+        }
+        .instrument(dspan.clone())
+        .await;
+        match opened {
+            Ok(stream) => Ok(Dispatched {
+                stream,
+                prefill,
+                pair: Pair {
+                    _busy: (d.busy, p.busy),
+                    decode_rpc: telemetry::Held(dspan),
+                    workers: [p.inst.id, d.inst.id],
+                },
+            }),
+            Err(e) => {
+                telemetry::record_status(&dspan, Some(&e));
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The Prefill call, running on its own task with its client span.
+fn start_prefill(job: &Job, prompt: &[u32], ticket_id: &str, ch: Channel) -> PrefillCall {
+    let preq = ppb::PrefillRequest {
+        request_id: ticket_id.to_string(),
+        prompt_ids: prompt.to_vec(),
+        sampling: Some(job.sampling),
+    };
+    let (preq, pspan) = telemetry::client_request(rpc::PREFILL_PREFILL, preq);
+    AbortOnDrop(tokio::spawn(
+        async move {
+            let r = ppb::prefill_client::PrefillClient::new(ch).prefill(preq).await;
+            telemetry::finish(&tracing::Span::current(), r)
+        }
+        .instrument(pspan),
+    ))
+}
+
+/// The chosen worker and the load the policy saw, on the current span.
+fn record_pick(kind: &str, inst: &Instance, seen: Candidate, candidates: usize) {
+    let span = tracing::Span::current();
+    span.set_attribute(pick_key(kind, attr::PICK_INSTANCE), inst.id.clone());
+    span.set_attribute(pick_key(kind, attr::PICK_ADDRESS), inst.grpc_addr.clone());
+    span.set_attribute(pick_key(kind, attr::PICK_IN_FLIGHT_HERE), seen.in_flight_here as i64);
+    span.set_attribute(pick_key(kind, attr::PICK_BUSY_POLLED), seen.polled.busy as i64);
+    span.set_attribute(pick_key(kind, attr::PICK_KV_FREE_POLLED), seen.polled.kv_free as i64);
+    span.set_attribute(pick_key(kind, attr::PICK_CANDIDATES), candidates as i64);
+}

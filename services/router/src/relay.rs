@@ -1,0 +1,215 @@
+//! Relay: decode tokens -> incremental detokenize -> stop strings -> the
+//! caller, then the finish with usage. A prefill failure seen while the
+//! tokens have not started ends the request.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use pdmesh_core::telemetry::{self, SpanExt};
+use pdmesh_core::vocab::{attr, rpc, span};
+use pdmesh_proto::common::v1 as common;
+use pdmesh_proto::decode::v1 as dpb;
+use pdmesh_proto::router::v1 as pb;
+use pdmesh_proto::tokenizer::v1 as tpb;
+use tokio::sync::mpsc;
+use tonic::Status;
+use tracing::Instrument;
+
+use crate::dispatch::{Dispatched, Pair};
+use crate::error::{decode_failure, prefill_failure};
+use crate::server::{Router, Tx};
+use crate::stop::StopMatcher;
+
+fn delta(ids: Vec<u32>, text: String) -> pb::GenerateResponse {
+    pb::GenerateResponse { event: Some(pb::generate_response::Event::Delta(pb::Delta { ids, text })) }
+}
+
+/// The open Detokenize stream of one request, with its spans: `detokenize`
+/// lasts from the first token to the end of the stream.
+struct Detok {
+    tx: mpsc::Sender<tpb::DetokenizeRequest>,
+    rx: tonic::Streaming<tpb::DetokenizeResponse>,
+    span: telemetry::Held,
+    rpc: telemetry::Held,
+    busy: Duration,
+    calls: u32,
+}
+
+/// What the relay has sent so far.
+struct Out {
+    detok: Option<Detok>,
+    stops: StopMatcher,
+    n_prompt: u32,
+    n_out: u32,
+    started: Instant,
+    last_token: Option<Instant>,
+}
+
+impl Router {
+    /// Relay a dispatched request's tokens to `tx` until it finishes.
+    pub async fn relay(
+        &self,
+        d: Dispatched,
+        stop: Vec<String>,
+        n_prompt: u32,
+        started: Instant,
+        tx: &Tx,
+    ) -> Result<(), Status> {
+        let Dispatched { stream: mut dstream, prefill, pair } = d;
+        let mut prefill = Some(prefill);
+        let mut out = Out { detok: None, stops: StopMatcher::new(stop), n_prompt, n_out: 0, started, last_token: None };
+        loop {
+            let msg = tokio::select! {
+                m = dstream.message() => m,
+                p = async { (&mut prefill.as_mut().expect("guarded").0).await }, if prefill.is_some() => {
+                    prefill = None;
+                    match p {
+                        Ok(Ok(_)) => continue,
+                        Ok(Err(e)) => return Err(prefill_failure(e)),
+                        Err(_) => return Err(Status::internal("prefill task failed")),
+                    }
+                }
+            };
+            match event(msg, &pair)? {
+                Some(dpb::generate_response::Event::Tokens(t)) => {
+                    if self.on_tokens(&mut out, t.ids, tx).await? {
+                        return self.finish(tx, common::FinishReason::Stop, &out, &pair.workers).await;
+                    }
+                }
+                Some(dpb::generate_response::Event::Finished(f)) => {
+                    telemetry::record_status(pair.decode_rpc.span(), None);
+                    let reason = self.on_finished(&mut out, f.reason, tx).await;
+                    return self.finish(tx, reason, &out, &pair.workers).await;
+                }
+                Some(dpb::generate_response::Event::Admitted(_)) | None => {}
+            }
+        }
+    }
+
+    /// Send newly generated tokens on; true when a stop string matched.
+    async fn on_tokens(&self, out: &mut Out, ids: Vec<u32>, tx: &Tx) -> Result<bool, Status> {
+        let now = Instant::now();
+        match out.last_token {
+            None => {
+                let ttft = (now - out.started).as_secs_f64();
+                self.metrics.ttft.observe(ttft);
+                tracing::Span::current().set_attribute(attr::TTFT_MS, ttft * 1e3);
+            }
+            Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64() / ids.len().max(1) as f64),
+        }
+        out.last_token = Some(now);
+        out.n_out += ids.len() as u32;
+        let text = self.detokenize(&mut out.detok, ids.clone()).await?;
+        let step = out.stops.push(&text);
+        if tx.send(Ok(delta(ids, step.emit))).await.is_err() {
+            return Err(Status::cancelled("client went away"));
+        }
+        Ok(step.stopped)
+    }
+
+    /// Drain the detokenizer's tail and the held-back text; the finish reason.
+    async fn on_finished(&self, out: &mut Out, reason: i32, tx: &Tx) -> common::FinishReason {
+        let mut rest = String::new();
+        if let Some(mut d) = out.detok.take() {
+            drop(d.tx);
+            let t = Instant::now();
+            while let Ok(Some(m)) = d.rx.message().instrument(d.rpc.span().clone()).await {
+                rest.push_str(&m.text);
+            }
+            d.busy += t.elapsed();
+            d.span.span().set_attribute(attr::DETOKENIZE_BUSY_MS, d.busy.as_secs_f64() * 1e3);
+            d.span.span().set_attribute(attr::DETOKENIZE_CALLS, d.calls as i64);
+        }
+        let step = out.stops.push(&rest);
+        let mut tail = step.emit;
+        if !step.stopped {
+            tail.push_str(&out.stops.finish());
+        }
+        if !tail.is_empty() {
+            let _ = tx.send(Ok(delta(vec![], tail))).await;
+        }
+        if step.stopped {
+            common::FinishReason::Stop
+        } else {
+            common::FinishReason::try_from(reason).unwrap_or(common::FinishReason::Stop)
+        }
+    }
+
+    async fn open_detokenize(&self) -> Result<Detok, Status> {
+        let span = tracing::info_span!(span::DETOKENIZE);
+        let (s, r) = mpsc::channel(16);
+        let mut c = self.tokenizer_client()?;
+        let (req, rpc) = {
+            let _g = span.enter();
+            telemetry::client_request(rpc::TOKENIZER_DETOKENIZE, tokio_stream::wrappers::ReceiverStream::new(r))
+        };
+        let resp = c.detokenize(req).instrument(rpc.clone()).await;
+        let resp =
+            telemetry::finish(&rpc, resp).map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
+        Ok(Detok {
+            tx: s,
+            rx: resp.into_inner(),
+            span: telemetry::Held(span),
+            rpc: telemetry::Held(rpc),
+            busy: Duration::ZERO,
+            calls: 0,
+        })
+    }
+
+    async fn detokenize(&self, detok: &mut Option<Detok>, ids: Vec<u32>) -> Result<String, Status> {
+        if detok.is_none() {
+            *detok = Some(self.open_detokenize().await?);
+        }
+        let d = detok.as_mut().expect("just set");
+        let t = Instant::now();
+        d.calls += 1;
+        d.tx.send(tpb::DetokenizeRequest { ids, render_special: false })
+            .await
+            .map_err(|_| Status::unavailable("tokenizer stream closed"))?;
+        let r = match d.rx.message().await {
+            Ok(Some(m)) => Ok(m.text),
+            Ok(None) => Err(Status::unavailable("tokenizer ended the detokenize stream")),
+            Err(e) => Err(Status::unavailable(format!("tokenizer: {}", e.message()))),
+        };
+        d.busy += t.elapsed();
+        r
+    }
+
+    async fn finish(
+        &self,
+        tx: &Tx,
+        reason: common::FinishReason,
+        out: &Out,
+        workers: &[String; 2],
+    ) -> Result<(), Status> {
+        self.metrics.prompt_tokens.fetch_add(out.n_prompt as u64, Ordering::Relaxed);
+        self.metrics.completion_tokens.fetch_add(out.n_out as u64, Ordering::Relaxed);
+        let fin = pb::Finished {
+            reason: reason as i32,
+            usage: Some(common::Usage { prompt_tokens: out.n_prompt, completion_tokens: out.n_out }),
+            prefill_worker: workers[0].clone(),
+            decode_worker: workers[1].clone(),
+        };
+        tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(fin)) }))
+            .await
+            .map_err(|_| Status::cancelled("client went away"))
+    }
+}
+
+/// The next decode event, or the status that ends the request.
+fn event(
+    msg: Result<Option<dpb::GenerateResponse>, Status>,
+    pair: &Pair,
+) -> Result<Option<dpb::generate_response::Event>, Status> {
+    match msg {
+        Ok(Some(m)) => Ok(m.event),
+        Ok(None) => {
+            telemetry::mark_error(pair.decode_rpc.span(), "stream ended without finishing");
+            Err(Status::unavailable("decode worker ended the stream without finishing"))
+        }
+        Err(e) => {
+            telemetry::record_status(pair.decode_rpc.span(), Some(&e));
+            Err(decode_failure(e))
+        }
+    }
+}

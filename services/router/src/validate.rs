@@ -1,0 +1,123 @@
+//! Checking a Generate request before any work is done for it.
+
+use pdmesh_proto::common::v1 as common;
+use pdmesh_proto::router::v1 as pb;
+use tonic::Status;
+
+/// A validated request, ready to run (its input goes to the tokenizer apart).
+pub struct Job {
+    pub request_id: String,
+    pub sampling: common::SamplingParams,
+    pub max_tokens: u32,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+/// Longest caller-chosen request id.
+const MAX_REQUEST_ID: usize = 128;
+
+/// The prompt or chat of a request.
+pub type Input = pb::generate_request::Input;
+
+/// Check `r`; `fresh_id` names a request that came without an id.
+pub fn validate(
+    r: pb::GenerateRequest,
+    max_stop: usize,
+    fresh_id: impl FnOnce() -> String,
+) -> Result<(Input, Job), Status> {
+    let input = r.input.ok_or_else(|| Status::invalid_argument("set prompt or chat"))?;
+    match &input {
+        pb::generate_request::Input::Prompt(p) if p.is_empty() => {
+            return Err(Status::invalid_argument("prompt is empty"))
+        }
+        pb::generate_request::Input::Chat(c) if c.messages.is_empty() => {
+            return Err(Status::invalid_argument("messages is empty"))
+        }
+        _ => {}
+    }
+    if r.max_tokens == 0 {
+        return Err(Status::invalid_argument("max_tokens must be at least 1"));
+    }
+    let s = r.sampling.unwrap_or_default();
+    if !(0.0..=2.0).contains(&s.temperature) {
+        return Err(Status::invalid_argument(format!("temperature must be in [0, 2], got {}", s.temperature)));
+    }
+    if !(0.0..=1.0).contains(&s.top_p) {
+        return Err(Status::invalid_argument(format!("top_p must be in (0, 1], got {}", s.top_p)));
+    }
+    if r.stop.len() > max_stop || r.stop.iter().any(|s| s.is_empty()) {
+        return Err(Status::invalid_argument(format!("stop takes at most {max_stop} non-empty strings")));
+    }
+    let request_id = if r.request_id.is_empty() {
+        fresh_id()
+    } else if r.request_id.len() > MAX_REQUEST_ID || !r.request_id.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(Status::invalid_argument("request_id must be at most 128 printable ASCII characters"));
+    } else {
+        r.request_id
+    };
+    let job = Job { request_id, sampling: s, max_tokens: r.max_tokens, stop: r.stop, ignore_eos: r.ignore_eos };
+    Ok((input, job))
+}
+
+/// The prompt must fit the context with room for `max_tokens` (the first
+/// token comes from the prompt's own forward).
+pub fn check_fits(n_prompt: usize, max_tokens: u32, context: u32) -> Result<(), Status> {
+    if n_prompt == 0 {
+        return Err(Status::invalid_argument("the prompt encodes to no tokens"));
+    }
+    let needed = n_prompt as u64 + max_tokens as u64 - 1;
+    if needed > context as u64 {
+        return Err(Status::invalid_argument(format!(
+            "prompt has {n_prompt} tokens; with max_tokens {max_tokens} it needs {needed} positions but the context \
+             holds {context}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            input: Some(pb::generate_request::Input::Prompt(prompt.into())),
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn bad_requests_say_which_field() {
+        let bad = |r, what: &str| {
+            let e = validate(r, 4, || "x".into()).err().expect("refused");
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().contains(what), "{} lacks {what}", e.message());
+        };
+        bad(req("", 8), "prompt");
+        bad(req("hi", 0), "max_tokens");
+        bad(
+            pb::GenerateRequest {
+                sampling: Some(common::SamplingParams { temperature: 3.0, ..Default::default() }),
+                ..req("hi", 8)
+            },
+            "temperature",
+        );
+        bad(pb::GenerateRequest { stop: vec!["".into()], ..req("hi", 8) }, "stop");
+        bad(pb::GenerateRequest { request_id: "a b".into(), ..req("hi", 8) }, "request_id");
+    }
+
+    #[test]
+    fn a_request_without_an_id_gets_a_fresh_one() {
+        assert_eq!(validate(req("hi", 8), 4, || "fresh".into()).unwrap().1.request_id, "fresh");
+        let own = pb::GenerateRequest { request_id: "mine".into(), ..req("hi", 8) };
+        assert_eq!(validate(own, 4, || "fresh".into()).unwrap().1.request_id, "mine");
+    }
+
+    #[test]
+    fn the_prompt_and_the_answer_must_fit_the_context() {
+        assert!(check_fits(100, 29, 128).is_ok());
+        assert_eq!(check_fits(100, 30, 128).unwrap_err().code(), tonic::Code::InvalidArgument);
+        assert!(check_fits(0, 1, 128).unwrap_err().message().contains("no tokens"));
+    }
+}
