@@ -137,36 +137,90 @@ fn write_or(path: Option<&std::path::Path>, text: &str, otherwise: impl Fn(&str)
     }
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    let a = Args::parse();
-    if a.concurrency.contains(&0)
-        || a.rate.iter().any(|r| r.is_nan() || *r <= 0.0)
-        || a.requests == 0
-        || a.sessions == 0
-        || a.rounds == 0
-        || a.stall_s <= 0.0
-        || a.timeout_s <= 0.0
-    {
-        eprintln!("error: concurrency, rate, requests, sessions, rounds, stall and timeout must be positive");
-        return ExitCode::from(2);
+type Record = pdmesh_loadtest::client::Record;
+type Sample = pdmesh_loadtest::sampler::Sample;
+type Point = pdmesh_loadtest::report::Point;
+
+impl Args {
+    fn valid(&self) -> bool {
+        !(self.concurrency.contains(&0)
+            || self.rate.iter().any(|r| r.is_nan() || *r <= 0.0)
+            || self.requests == 0
+            || self.sessions == 0
+            || self.rounds == 0
+            || self.stall_s <= 0.0
+            || self.timeout_s <= 0.0)
     }
-    let w = Workload {
-        addr: a.target.clone(),
-        model: a.model.clone(),
-        max_tokens: a.max_tokens,
-        seed: a.seed,
-        stall: Duration::from_secs_f64(a.stall_s),
-        timeout: Duration::from_secs_f64(a.timeout_s),
-        temperature: a.temperature,
-        id_prefix: String::new(),
-        ignore_eos: a.ignore_eos,
-    };
-    // Unique request ids across invocations (time) and runs (side, round).
-    let nonce = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() % 1_000_000)
-        .unwrap_or(0);
+
+    /// The workload of target A, and of target B when given.
+    fn workloads(&self) -> (Workload, Option<Workload>) {
+        let w = Workload {
+            addr: self.target.clone(),
+            model: self.model.clone(),
+            max_tokens: self.max_tokens,
+            seed: self.seed,
+            stall: Duration::from_secs_f64(self.stall_s),
+            timeout: Duration::from_secs_f64(self.timeout_s),
+            temperature: self.temperature,
+            id_prefix: String::new(),
+            ignore_eos: self.ignore_eos,
+        };
+        let b = self.target_b.as_ref().map(|t| Workload {
+            addr: t.clone(),
+            model: self.model_b.clone().unwrap_or_else(|| self.model.clone()),
+            ..w.clone()
+        });
+        (w, b)
+    }
+
+    /// One load point per concurrency / rate (agentic: one point).
+    fn levels(&self) -> Vec<f64> {
+        match self.mode {
+            Mode::Closed => self.concurrency.iter().map(|c| *c as f64).collect(),
+            Mode::Poisson => self.rate.clone(),
+            Mode::Agentic => vec![self.sessions as f64],
+        }
+    }
+
+    /// The /metrics addresses to sample: given ones plus the mesh's.
+    fn metrics_targets(&self) -> Vec<String> {
+        let mut metrics = self.metrics.clone();
+        if let Some(d) = &self.registry_dir {
+            match from_meshctl(&self.meshctl, d) {
+                Ok(m) => metrics.extend(m),
+                Err(e) => eprintln!("warning: not sampling the mesh's metrics: {e}"),
+            }
+        }
+        metrics
+    }
+
+    fn describe(&self, level: f64) -> String {
+        match self.mode {
+            Mode::Closed => format!("concurrency {level}"),
+            Mode::Poisson => format!("{level} requests/s"),
+            Mode::Agentic => format!("{} sessions x {} rounds", self.sessions, self.rounds),
+        }
+    }
+}
+
+/// Everything measured, by side.
+#[derive(Default)]
+struct Sweep {
+    points: Vec<Point>,
+    points_b: Vec<Point>,
+    ab: Vec<pdmesh_loadtest::ab::AbPoint>,
+    runs: Vec<serde_json::Value>,
+    /// Target A's last run, for the timeline plot.
+    last_a: Option<(String, Vec<Record>, Vec<Sample>)>,
+}
+
+/// Seconds of the clock, modulo a million: tells invocations apart.
+fn run_nonce() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() % 1_000_000).unwrap_or(0)
+}
+
+/// Sets `stop` on Ctrl-C: no new requests, those in flight finish.
+fn stop_on_ctrl_c() -> Arc<AtomicBool> {
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
     tokio::spawn(async move {
@@ -175,191 +229,223 @@ async fn main() -> ExitCode {
             s2.store(true, Ordering::Relaxed);
         }
     });
-    let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
-    let mut metrics = a.metrics.clone();
-    if let Some(d) = &a.registry_dir {
-        match from_meshctl(&a.meshctl, d) {
-            Ok(m) => metrics.extend(m),
-            Err(e) => eprintln!("warning: not sampling the mesh's metrics: {e}"),
+    stop
+}
+
+/// A live status line on stderr while a point runs.
+fn progress_ticker(total: usize) -> tokio::task::JoinHandle<()> {
+    pdmesh_loadtest::run::PROGRESS.reset();
+    tokio::spawn(async move {
+        use std::io::{IsTerminal, Write};
+        let tty = std::io::stderr().is_terminal();
+        let every = Duration::from_millis(if tty { 250 } else { 5000 });
+        loop {
+            tokio::time::sleep(every).await;
+            let line = pdmesh_loadtest::run::PROGRESS.line(total);
+            if tty {
+                eprint!("\r  {line}   ");
+            } else {
+                eprintln!("  {line}");
+            }
+            let _ = std::io::stderr().flush();
+        }
+    })
+}
+
+/// Where one run sits in the sweep.
+struct At<'a> {
+    index: usize,
+    level: f64,
+    side: &'a str,
+    round: usize,
+}
+
+/// Run one load point against `wl`; its records and wall time.
+async fn run_point(a: &Args, wl: &Workload, at: &At<'_>, stop: &Arc<AtomicBool>) -> (Vec<Record>, f64) {
+    let max_time = Duration::from_secs_f64(a.max_point_s);
+    let tag = if a.target_b.is_some() { format!(" [{} round {}]", at.side, at.round) } else { String::new() };
+    let (level, i, stop) = (at.level, at.index, stop.clone());
+    match a.mode {
+        Mode::Closed => {
+            eprintln!("concurrency {level}{tag}: {} requests ...", a.requests);
+            closed_loop(wl, level as usize, a.requests, max_time, stop, i).await
+        }
+        Mode::Poisson => {
+            eprintln!("rate {level}/s{tag}: {} requests ...", a.requests);
+            poisson(wl, level, a.requests, a.max_in_flight, max_time, stop, i).await
+        }
+        Mode::Agentic => {
+            eprintln!("{} agentic sessions x {} rounds{tag} ...", a.sessions, a.rounds);
+            agentic(wl, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop, i).await
         }
     }
-    // One load point per concurrency / rate (agentic: one point).
-    let levels: Vec<f64> = match a.mode {
-        Mode::Closed => a.concurrency.iter().map(|c| *c as f64).collect(),
-        Mode::Poisson => a.rate.clone(),
-        Mode::Agentic => vec![a.sessions as f64],
-    };
-    let mut w_b = w.clone();
-    if let Some(t) = &a.target_b {
-        w_b.addr = t.clone();
-        w_b.model = a.model_b.clone().unwrap_or_else(|| a.model.clone());
+}
+
+/// Run one point with its status line and metrics sampler; its aggregate.
+async fn measure(
+    a: &Args,
+    wl: &Workload,
+    at: &At<'_>,
+    stop: &Arc<AtomicBool>,
+    metrics: &[String],
+    sw: &mut Sweep,
+) -> Point {
+    let t_point = std::time::Instant::now();
+    let total = if a.mode == Mode::Agentic { a.sessions * a.rounds } else { a.requests };
+    let ticker = progress_ticker(total);
+    let sampler = Sampler::start(metrics.to_vec(), Duration::from_millis(a.sample_ms.max(50)), t_point);
+    let (records, wall) = run_point(a, wl, at, stop).await;
+    ticker.abort();
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!();
     }
-    let ab = a.target_b.is_some();
-    let rounds = if ab { a.ab_rounds.max(1) } else { 1 };
-    let mut points = Vec::new();
-    let mut points_b = Vec::new();
-    let mut ab_points = Vec::new();
-    let mut all = Vec::new();
-    let mut last_a: Option<(String, Vec<pdmesh_loadtest::client::Record>, Vec<pdmesh_loadtest::sampler::Sample>)> =
-        None;
-    for (i, &level) in levels.iter().enumerate() {
+    let samples = sampler.take();
+    let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
+    let p = aggregate(at.level.round() as usize, &records, wall, slo);
+    eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);
+    sw.runs.push(serde_json::json!({
+        "level": at.level, "side": at.side, "round": at.round, "target": wl.addr,
+        "records": records, "metrics_samples": samples,
+    }));
+    if at.side == "A" {
+        sw.last_a = Some((format!("{}: {}", a.label_a, a.describe(at.level)), records, samples));
+    }
+    p
+}
+
+/// Every level, A and B alternating per round.
+async fn sweep(a: &Args, stop: &Arc<AtomicBool>) -> Sweep {
+    // Unique request ids across invocations (time) and runs (side, round).
+    let nonce = run_nonce();
+    let metrics = a.metrics_targets();
+    let (w, w_b) = a.workloads();
+    let mut sides: Vec<(&str, &Workload)> = vec![("A", &w)];
+    if let Some(b) = &w_b {
+        sides.push(("B", b));
+    }
+    let rounds = if w_b.is_some() { a.ab_rounds.max(1) } else { 1 };
+    let mut sw = Sweep::default();
+    for (index, level) in a.levels().into_iter().enumerate() {
         let (mut runs_a, mut runs_b) = (Vec::new(), Vec::new());
-        for r in 0..rounds {
-            let sides: &[(&str, &Workload)] = if ab { &[("A", &w), ("B", &w_b)] } else { &[("A", &w)] };
-            for (side, wl) in sides {
-                let mut wl = (*wl).clone();
-                wl.id_prefix = format!("lt-{}-{nonce}-{side}{r}", a.seed);
-                let wl = &wl;
+        for round in 0..rounds {
+            for &(side, wl) in &sides {
                 if stop.load(Ordering::Relaxed) {
                     break;
                 }
-                let t_point = std::time::Instant::now();
-                // A live status line on stderr while the point runs.
-                pdmesh_loadtest::run::PROGRESS.reset();
-                let total = match a.mode {
-                    Mode::Agentic => a.sessions * a.rounds,
-                    _ => a.requests,
-                };
-                let ticker = tokio::spawn(async move {
-                    use std::io::{IsTerminal, Write};
-                    let tty = std::io::stderr().is_terminal();
-                    let every = Duration::from_millis(if tty { 250 } else { 5000 });
-                    loop {
-                        tokio::time::sleep(every).await;
-                        let line = pdmesh_loadtest::run::PROGRESS.line(total);
-                        if tty {
-                            eprint!("\r  {line}   ");
-                        } else {
-                            eprintln!("  {line}");
-                        }
-                        let _ = std::io::stderr().flush();
-                    }
-                });
-                let sampler = Sampler::start(metrics.clone(), Duration::from_millis(a.sample_ms.max(50)), t_point);
-                let max_time = Duration::from_secs_f64(a.max_point_s);
-                let tag = if ab { format!(" [{side} round {r}]") } else { String::new() };
-                let (records, wall) = match a.mode {
-                    Mode::Closed => {
-                        eprintln!("concurrency {level}{tag}: {} requests ...", a.requests);
-                        closed_loop(wl, level as usize, a.requests, max_time, stop.clone(), i).await
-                    }
-                    Mode::Poisson => {
-                        eprintln!("rate {level}/s{tag}: {} requests ...", a.requests);
-                        poisson(wl, level, a.requests, a.max_in_flight, max_time, stop.clone(), i).await
-                    }
-                    Mode::Agentic => {
-                        eprintln!("{} agentic sessions x {} rounds{tag} ...", a.sessions, a.rounds);
-                        agentic(wl, a.sessions, a.rounds, Duration::from_secs_f64(a.think_s.max(0.0)), stop.clone(), i)
-                            .await
-                    }
-                };
-                ticker.abort();
-                if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-                    eprintln!();
-                }
-                let samples = sampler.take();
-                let p = aggregate(level.round() as usize, &records, wall, slo);
-                eprintln!(
-                    "  ok {} errors {} stalled {}; {:.1} output tok/s",
-                    p.ok, p.errors, p.stalled, p.output_tokens_per_s
-                );
-                all.push(serde_json::json!({ "level": level, "side": side, "round": r, "target": wl.addr, "records": records, "metrics_samples": samples }));
-                if *side == "A" {
-                    let what = match a.mode {
-                        Mode::Closed => format!("concurrency {level}"),
-                        Mode::Poisson => format!("{level} requests/s"),
-                        Mode::Agentic => format!("{} sessions x {} rounds", a.sessions, a.rounds),
-                    };
-                    last_a = Some((format!("{}: {what}", a.label_a), records.clone(), samples.clone()));
-                }
-                if *side == "A" {
+                let wl = Workload { id_prefix: format!("lt-{}-{nonce}-{side}{round}", a.seed), ..wl.clone() };
+                let at = At { index, level, side, round };
+                let p = measure(a, &wl, &at, stop, &metrics, &mut sw).await;
+                if side == "A" {
                     runs_a.push(p)
                 } else {
                     runs_b.push(p)
                 }
             }
         }
-        if ab && !runs_a.is_empty() && runs_a.len() == runs_b.len() {
-            ab_points.push(pdmesh_loadtest::ab::compare(level, &runs_a, &runs_b));
+        if w_b.is_some() && !runs_a.is_empty() && runs_a.len() == runs_b.len() {
+            sw.ab.push(pdmesh_loadtest::ab::compare(level, &runs_a, &runs_b));
         }
-        points.extend(runs_a);
-        points_b.extend(runs_b);
+        sw.points.extend(runs_a);
+        sw.points_b.extend(runs_b);
         if stop.load(Ordering::Relaxed) {
             break;
         }
     }
-    let curve = |ps: &[pdmesh_loadtest::report::Point]| -> Vec<f64> {
-        let mut by_level: Vec<(f64, f64)> = Vec::new();
-        for p in ps {
-            match by_level.iter_mut().find(|(l, _)| *l == p.concurrency as f64) {
-                Some(e) => e.1 = e.1.max(p.output_tokens_per_s),
-                None => by_level.push((p.concurrency as f64, p.output_tokens_per_s)),
-            }
+    sw
+}
+
+/// The levels at which a side's best throughput falls as load rises.
+fn falling(ps: &[Point]) -> Vec<f64> {
+    let mut by_level: Vec<(f64, f64)> = Vec::new();
+    for p in ps {
+        match by_level.iter_mut().find(|(l, _)| *l == p.concurrency as f64) {
+            Some(e) => e.1 = e.1.max(p.output_tokens_per_s),
+            None => by_level.push((p.concurrency as f64, p.output_tokens_per_s)),
         }
-        pdmesh_loadtest::ab::falling(&by_level)
+    }
+    pdmesh_loadtest::ab::falling(&by_level)
+}
+
+fn to_json(a: &Args, sw: &Sweep, command: &[String], falls: &[Vec<f64>; 2]) -> serde_json::Value {
+    serde_json::json!({
+        "command": command,
+        "target": a.target,
+        "model": a.model,
+        "workload": {
+            "mode": format!("{:?}", a.mode).to_lowercase(), "levels": a.levels(), "requests_per_point": a.requests,
+            "sessions": a.sessions, "rounds": a.rounds, "think_s": a.think_s, "max_tokens": a.max_tokens,
+            "temperature": a.temperature, "seed": a.seed, "stall_s": a.stall_s,
+        },
+        "slo": Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 },
+        "points": sw.points,
+        "points_b": sw.points_b,
+        "ab": sw.ab,
+        "labels": [a.label_a, a.label_b],
+        "throughput_falls_at": { "a": falls[0], "b": falls[1] },
+        "runs": sw.runs,
+    })
+}
+
+fn to_markdown(a: &Args, sw: &Sweep, command: &[String], falls: &[Vec<f64>; 2]) -> String {
+    let mut md = format!("Command: `{}`\n\n", command.join(" "));
+    md.push_str(&markdown(&a.target, &sw.points));
+    if let Some(b) = &a.target_b {
+        md.push_str(&markdown(b, &sw.points_b).replacen("# Load test", "\n# Load test", 1));
+        md.push_str(&pdmesh_loadtest::ab::markdown(&a.label_a, &a.label_b, &sw.ab));
+    }
+    for (label, f) in [(&a.label_a, &falls[0]), (&a.label_b, &falls[1])] {
+        if !f.is_empty() {
+            md.push_str(&format!("\n**{label}: throughput falls as load rises** (levels {f:?}).\n"));
+        }
+    }
+    md
+}
+
+fn write_plots(a: &Args, sw: &Sweep, prefix: &std::path::Path) -> Result<(), String> {
+    use pdmesh_loadtest::plot::{write_all, Curve};
+    let mut curves = vec![Curve::from_points(&a.label_a, &sw.points)];
+    if a.target_b.is_some() {
+        curves.push(Curve::from_points(&a.label_b, &sw.points_b));
+    }
+    let xdesc = match a.mode {
+        Mode::Closed => "concurrency (log scale)",
+        Mode::Poisson => "arrival rate, requests/s (log scale)",
+        Mode::Agentic => "sessions (log scale)",
     };
-    let (falling_a, falling_b) = (curve(&points), curve(&points_b));
-    for (label, f) in [(&a.label_a, &falling_a), (&a.label_b, &falling_b)] {
+    let timeline = sw.last_a.as_ref().map(|(t, r, s)| (t.as_str(), r.as_slice(), s.as_slice()));
+    let files = write_all(prefix, &curves, xdesc, timeline)?;
+    eprintln!("plots: {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let a = Args::parse();
+    if !a.valid() {
+        eprintln!("error: concurrency, rate, requests, sessions, rounds, stall and timeout must be positive");
+        return ExitCode::from(2);
+    }
+    let stop = stop_on_ctrl_c();
+    let sw = sweep(&a, &stop).await;
+    let falls = [falling(&sw.points), falling(&sw.points_b)];
+    for (label, f) in [(&a.label_a, &falls[0]), (&a.label_b, &falls[1])] {
         if !f.is_empty() {
             eprintln!("warning: {label}: throughput falls as load rises, at levels {f:?}");
         }
     }
     let command: Vec<String> = std::env::args().collect();
-    let result = serde_json::json!({
-        "command": command,
-        "target": a.target,
-        "model": a.model,
-        "workload": { "mode": format!("{:?}", a.mode).to_lowercase(), "levels": levels, "requests_per_point": a.requests, "sessions": a.sessions, "rounds": a.rounds, "think_s": a.think_s, "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed, "stall_s": a.stall_s },
-        "slo": slo,
-        "points": points,
-        "points_b": points_b,
-        "ab": ab_points,
-        "labels": [a.label_a, a.label_b],
-        "throughput_falls_at": { "a": falling_a, "b": falling_b },
-        "runs": all,
-    });
-    let json = serde_json::to_string_pretty(&result).unwrap_or_default();
+    let json = serde_json::to_string_pretty(&to_json(&a, &sw, &command, &falls)).unwrap_or_default();
     if !write_or(a.out.as_deref(), &json, |t| println!("{t}")) {
         return ExitCode::FAILURE;
     }
-    let mut md = format!("Command: `{}`\n\n", command.join(" "));
-    md.push_str(&markdown(&a.target, &points));
-    if ab {
-        md.push_str(&markdown(a.target_b.as_deref().unwrap_or(""), &points_b).replacen(
-            "# Load test",
-            "\n# Load test",
-            1,
-        ));
-        md.push_str(&pdmesh_loadtest::ab::markdown(&a.label_a, &a.label_b, &ab_points));
-    }
-    for (label, f) in [(&a.label_a, &falling_a), (&a.label_b, &falling_b)] {
-        if !f.is_empty() {
-            md.push_str(&format!("\n**{label}: throughput falls as load rises** (levels {f:?}).\n"));
-        }
-    }
+    let md = to_markdown(&a, &sw, &command, &falls);
     if !write_or(a.markdown.as_deref(), &md, |t| eprintln!("{t}")) {
         return ExitCode::FAILURE;
     }
     if let Some(prefix) = &a.plots {
-        use pdmesh_loadtest::plot::{write_all, Curve};
-        let mut curves = vec![Curve::from_points(&a.label_a, &points)];
-        if ab {
-            curves.push(Curve::from_points(&a.label_b, &points_b));
-        }
-        let xdesc = match a.mode {
-            Mode::Closed => "concurrency (log scale)",
-            Mode::Poisson => "arrival rate, requests/s (log scale)",
-            Mode::Agentic => "sessions (log scale)",
-        };
-        let timeline = last_a.as_ref().map(|(t, r, s)| (t.as_str(), r.as_slice(), s.as_slice()));
-        match write_all(prefix, &curves, xdesc, timeline) {
-            Ok(files) => {
-                eprintln!("plots: {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "))
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::FAILURE;
-            }
+        if let Err(e) = write_plots(&a, &sw, prefix) {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
         }
     }
     ExitCode::SUCCESS

@@ -319,194 +319,221 @@ impl tokio_stream::Stream for TrackedBody {
     }
 }
 
+/// The request id: the caller's `x-request-id` when usable, else a fresh one.
+fn request_id(g: &Gateway, headers: &HeaderMap, chat: bool) -> String {
+    let prefix = if chat { "chatcmpl" } else { "cmpl" };
+    match headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
+        Some(v) if !v.is_empty() && v.len() <= 100 && v.chars().all(|c| c.is_ascii_graphic()) => v.to_string(),
+        _ => format!("{prefix}-{:x}{:06x}", now_s(), g.next_id.fetch_add(1, Ordering::Relaxed)),
+    }
+}
+
+/// The server's limit, shortened by the caller's `x-request-timeout` (seconds).
+fn deadline(g: &Gateway, headers: &HeaderMap) -> Duration {
+    let limit = Duration::from_secs_f64(g.config.request_timeout_s.max(0.001));
+    let asked =
+        headers.get("x-request-timeout").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok());
+    match asked {
+        Some(t) if t > 0.0 && t.is_finite() && t < limit.as_secs_f64() => Duration::from_secs_f64(t),
+        _ => limit,
+    }
+}
+
+fn timed_out() -> Response {
+    error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded"))
+}
+
+fn unavailable(message: &str) -> Response {
+    error_body(503, message, "service_unavailable", None, Some("unavailable"))
+}
+
+/// The router's stream, its first event, and the client span (which lasts
+/// as long as the stream: `end` closes it wherever the stream is done with).
+struct Opened {
+    stream: tonic::Streaming<pb::GenerateResponse>,
+    first: Option<pb::GenerateResponse>,
+    rpc: tracing::Span,
+    end: telemetry::Held,
+}
+
+/// Call the router and wait for its first event, so that refusals get
+/// their own HTTP status.
+async fn open(g: &Gateway, request: pb::GenerateRequest, deadline: Duration) -> Result<Opened, Response> {
+    let list = g.router.wait_any(Duration::from_secs(2)).await.ok_or_else(|| unavailable("no router is available"))?;
+    let ch = g.router.channel(&list[0]).map_err(|e| error_body(500, &e, "internal_error", None, None))?;
+    let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, request);
+    let end = telemetry::Held(rpc.clone());
+    req.set_timeout(deadline);
+    let mut client = pb::router_client::RouterClient::new(ch);
+    let call = async {
+        let mut s = client.generate(req).await?.into_inner();
+        let first = s.message().await?;
+        Ok::<_, tonic::Status>((s, first))
+    };
+    match tokio::time::timeout(deadline + Duration::from_millis(500), call.instrument(rpc.clone())).await {
+        Ok(Ok((stream, first))) => Ok(Opened { stream, first, rpc, end }),
+        Ok(Err(s)) => {
+            telemetry::record_status(&rpc, Some(&s));
+            Err(status_response(&s))
+        }
+        Err(_) => {
+            telemetry::mark_error(&rpc, "deadline exceeded");
+            Err(timed_out())
+        }
+    }
+}
+
+/// What every response object of one request repeats.
+#[derive(Clone)]
+struct Answer {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+}
+
+impl Answer {
+    /// The whole (non-streamed) response.
+    fn whole(&self, text: String, f: &pb::Finished) -> Response {
+        let (id, created, model, fr) = (&self.id, self.created, &self.model, finish_reason(f));
+        let body = if self.chat {
+            json!({ "id": id, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": null, "finish_reason": fr }],
+                    "usage": usage_json(f) })
+        } else {
+            json!({ "id": id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": fr }],
+                    "usage": usage_json(f) })
+        };
+        ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    }
+
+    /// One SSE chunk carrying `delta` (chat) or its content (completions).
+    fn chunk(&self, delta: Value, fr: Value) -> Bytes {
+        let (id, created, model) = (&self.id, self.created, &self.model);
+        let v = if self.chat {
+            json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": fr }] })
+        } else {
+            json!({ "id": id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": fr }] })
+        };
+        sse(&v)
+    }
+
+    fn usage_chunk(&self, f: &pb::Finished) -> Bytes {
+        let object = if self.chat { "chat.completion.chunk" } else { "text_completion" };
+        sse(&json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [],
+                     "usage": usage_json(f) }))
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
 async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) -> Reply {
     let chat = matches!(kind, Kind::Chat);
     let mut parsed = match openai::parse(&body, kind, &g.config.model_name, g.config.default_max_tokens) {
         Ok(p) => p,
         Err(e) => return Reply::Done(bad_request(e)),
     };
-    let prefix = if chat { "chatcmpl" } else { "cmpl" };
-    let id = match headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
-        Some(v) if !v.is_empty() && v.len() <= 100 && v.chars().all(|c| c.is_ascii_graphic()) => v.to_string(),
-        _ => format!("{prefix}-{:x}{:06x}", now_s(), g.next_id.fetch_add(1, Ordering::Relaxed)),
-    };
+    let id = request_id(g, &headers, chat);
     parsed.request.request_id = id.clone();
     tracing::Span::current().record(attr::REQUEST_ID, id.as_str());
-    let mut deadline = Duration::from_secs_f64(g.config.request_timeout_s.max(0.001));
-    if let Some(t) =
-        headers.get("x-request-timeout").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
-    {
-        if t > 0.0 && t.is_finite() {
-            deadline = deadline.min(Duration::from_secs_f64(t));
-        }
-    }
-    let Some(list) = g.router.wait_any(Duration::from_secs(2)).await else {
-        return Reply::Done(error_body(
-            503,
-            "no router is available",
-            "service_unavailable",
-            None,
-            Some("unavailable"),
-        ));
+    let deadline = deadline(g, &headers);
+    let opened = match open(g, parsed.request, deadline).await {
+        Ok(o) => o,
+        Err(r) => return Reply::Done(r),
     };
-    let ch = match g.router.channel(&list[0]) {
-        Ok(c) => c,
-        Err(e) => return Reply::Done(error_body(500, &e, "internal_error", None, None)),
-    };
-    // The client span lasts as long as the router's stream.
-    let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, parsed.request);
-    // Ends when the router's stream is done with (here, or in the SSE task).
-    let rpc_end = telemetry::Held(rpc.clone());
-    req.set_timeout(deadline);
-    let mut client = pb::router_client::RouterClient::new(ch);
-    let call = async {
-        let mut s = client.generate(req).await?.into_inner();
-        // Wait for the first event so that refusals get their own HTTP status.
-        let first = s.message().await?;
-        Ok::<_, tonic::Status>((s, first))
-    };
-    let (mut stream, first) =
-        match tokio::time::timeout(deadline + Duration::from_millis(500), call.instrument(rpc.clone())).await {
-            Ok(Ok(x)) => x,
-            Ok(Err(s)) => {
-                telemetry::record_status(&rpc, Some(&s));
-                return Reply::Done(status_response(&s));
-            }
-            Err(_) => {
-                telemetry::mark_error(&rpc, "deadline exceeded");
-                return Reply::Done(error_body(
-                    504,
-                    "request did not finish within its deadline",
-                    "timeout_error",
-                    None,
-                    Some("deadline_exceeded"),
-                ));
-            }
-        };
-    let created = now_s();
-    let model = parsed.model.clone();
+    let answer = Answer { id, created: now_s(), model: parsed.model, chat };
     if !parsed.stream {
-        let mut text = String::new();
-        let mut next = first;
-        let until = tokio::time::Instant::now() + deadline + Duration::from_millis(500);
-        loop {
-            let ev = match next.and_then(|m| m.event) {
-                Some(e) => e,
-                None => {
-                    return Reply::Done(error_body(
-                        503,
-                        "the router ended the stream without finishing",
-                        "service_unavailable",
-                        None,
-                        Some("unavailable"),
-                    ))
-                }
-            };
-            match ev {
-                pb::generate_response::Event::Delta(d) => text.push_str(&d.text),
-                pb::generate_response::Event::Finished(f) => {
-                    telemetry::record_status(&rpc, None);
-                    let fr = finish_reason(&f);
-                    let body = if chat {
-                        json!({ "id": id, "object": "chat.completion", "created": created, "model": model,
-                                "choices": [{ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": null, "finish_reason": fr }],
-                                "usage": usage_json(&f) })
-                    } else {
-                        json!({ "id": id, "object": "text_completion", "created": created, "model": model,
-                                "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": fr }],
-                                "usage": usage_json(&f) })
-                    };
-                    return Reply::Done(
-                        ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
-                    );
-                }
-            }
-            next = match tokio::time::timeout_at(until, stream.message()).await {
-                Ok(Ok(m)) => m,
-                Ok(Err(s)) => {
-                    telemetry::record_status(&rpc, Some(&s));
-                    return Reply::Done(status_response(&s));
-                }
-                Err(_) => {
-                    return Reply::Done(error_body(
-                        504,
-                        "request did not finish within its deadline",
-                        "timeout_error",
-                        None,
-                        Some("deadline_exceeded"),
-                    ))
-                }
-            };
-        }
+        return Reply::Done(collect(opened, &answer, deadline).await);
     }
-    // SSE: one chunk per delta, a final chunk with the finish reason, usage if asked, [DONE].
-    let include_usage = parsed.include_usage;
     // Roomy: the router should never wait on a slow client; the body records
     // how long each chunk waited for it instead.
     let (tx, rx) = tokio::sync::mpsc::channel::<(std::time::Instant, Bytes)>(1024);
-    let tx = Timed(tx);
-    tokio::spawn(async move {
-        let _rpc_end = rpc_end;
-        let chunk = |delta: Value, fr: Value| -> Bytes {
-            let v = if chat {
-                json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": fr }] })
-            } else {
-                json!({ "id": id, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": fr }] })
-            };
-            Bytes::from(format!("data: {v}\n\n"))
-        };
-        if chat && tx.send(chunk(json!({ "role": "assistant", "content": "" }), Value::Null)).await.is_err() {
-            return;
+    tokio::spawn(stream_sse(opened, answer, parsed.include_usage, Timed(tx)));
+    Reply::Sse(rx)
+}
+
+/// A non-streamed answer: every delta, then the whole response.
+async fn collect(o: Opened, answer: &Answer, deadline: Duration) -> Response {
+    let Opened { mut stream, first, rpc, end: _end } = o;
+    let mut text = String::new();
+    let mut next = first;
+    let until = tokio::time::Instant::now() + deadline + Duration::from_millis(500);
+    loop {
+        match next.and_then(|m| m.event) {
+            Some(pb::generate_response::Event::Delta(d)) => text.push_str(&d.text),
+            Some(pb::generate_response::Event::Finished(f)) => {
+                telemetry::record_status(&rpc, None);
+                return answer.whole(text, &f);
+            }
+            None => return unavailable("the router ended the stream without finishing"),
         }
-        let mut next = Ok(first);
-        loop {
-            let ev = match next {
-                Ok(Some(m)) => m.event,
-                Ok(None) => None,
-                Err(s) => {
-                    telemetry::record_status(&rpc, Some(&s));
-                    let (st, kind, code) = http_of(&s);
-                    let e = json!({ "error": { "message": s.message(), "type": kind, "param": null, "code": code, "status": st } });
-                    let _ = tx.send(Bytes::from(format!("data: {e}\n\n"))).await;
-                    return;
-                }
-            };
-            match ev {
-                Some(pb::generate_response::Event::Delta(d)) => {
-                    if !d.text.is_empty() && tx.send(chunk(json!({ "content": d.text }), Value::Null)).await.is_err() {
-                        return; // client gone: dropping `stream` cancels the request
-                    }
-                }
-                Some(pb::generate_response::Event::Finished(f)) => {
-                    telemetry::record_status(&rpc, None);
-                    drop(_rpc_end);
-                    let _ = tx.send(chunk(json!({}), json!(finish_reason(&f)))).await;
-                    if include_usage {
-                        let u = json!({ "id": id, "object": if chat { "chat.completion.chunk" } else { "text_completion" }, "created": created, "model": model, "choices": [], "usage": usage_json(&f) });
-                        let _ = tx.send(Bytes::from(format!("data: {u}\n\n"))).await;
-                    }
-                    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-                    return;
-                }
-                None => {
-                    telemetry::mark_error(&rpc, "stream ended without finishing");
-                    let e = json!({ "error": { "message": "the router ended the stream without finishing", "type": "service_unavailable", "param": null, "code": "unavailable" } });
-                    let _ = tx.send(Bytes::from(format!("data: {e}\n\n"))).await;
-                    return;
+        next = match tokio::time::timeout_at(until, stream.message()).await {
+            Ok(Ok(m)) => m,
+            Ok(Err(s)) => {
+                telemetry::record_status(&rpc, Some(&s));
+                return status_response(&s);
+            }
+            Err(_) => return timed_out(),
+        };
+    }
+}
+
+/// SSE: one chunk per delta, a final chunk with the finish reason, usage
+/// if asked, [DONE]; an error event if the router's stream fails.
+async fn stream_sse(o: Opened, answer: Answer, include_usage: bool, tx: Timed) {
+    let Opened { mut stream, first, rpc, end } = o;
+    if answer.chat && tx.send(answer.chunk(json!({ "role": "assistant", "content": "" }), Value::Null)).await.is_err() {
+        return;
+    }
+    let mut next = Ok(first);
+    loop {
+        let ev = match next {
+            Ok(m) => m.and_then(|m| m.event),
+            Err(s) => {
+                telemetry::record_status(&rpc, Some(&s));
+                let (st, kind, code) = http_of(&s);
+                let e = json!({ "error": { "message": s.message(), "type": kind, "param": null, "code": code, "status": st } });
+                let _ = tx.send(sse(&e)).await;
+                return;
+            }
+        };
+        match ev {
+            Some(pb::generate_response::Event::Delta(d)) => {
+                if !d.text.is_empty() && tx.send(answer.chunk(json!({ "content": d.text }), Value::Null)).await.is_err()
+                {
+                    return; // client gone: dropping `stream` cancels the request
                 }
             }
-            next = tokio::select! {
-                m = stream.message() => m,
-                _ = tx.0.closed() => {
-                    telemetry::mark_error(&rpc, "client went away");
-                    return;
+            Some(pb::generate_response::Event::Finished(f)) => {
+                telemetry::record_status(&rpc, None);
+                drop(end);
+                let _ = tx.send(answer.chunk(json!({}), json!(finish_reason(&f)))).await;
+                if include_usage {
+                    let _ = tx.send(answer.usage_chunk(&f)).await;
                 }
-            };
+                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                return;
+            }
+            None => {
+                telemetry::mark_error(&rpc, "stream ended without finishing");
+                let e = json!({ "error": { "message": "the router ended the stream without finishing", "type": "service_unavailable", "param": null, "code": "unavailable" } });
+                let _ = tx.send(sse(&e)).await;
+                return;
+            }
         }
-    });
-    Reply::Sse(rx)
+        next = tokio::select! {
+            m = stream.message() => m,
+            _ = tx.0.closed() => {
+                telemetry::mark_error(&rpc, "client went away");
+                return;
+            }
+        };
+    }
 }
 
 /// Sends each chunk with the time it became ready.

@@ -58,20 +58,12 @@ fn text_of(content: &Value, i: usize) -> Result<String, BadRequest> {
     }
 }
 
-/// Parse a `/v1/chat/completions` or `/v1/completions` body.
-pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32) -> Result<Parsed, BadRequest> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| BadRequest {
-        status: 400,
-        message: format!("request body is not valid JSON: {e}"),
-        param: None,
-        code: None,
-    })?;
-    let o = v.as_object().ok_or_else(|| BadRequest {
-        status: 400,
-        message: "request body must be a JSON object".into(),
-        param: None,
-        code: None,
-    })?;
+fn invalid(message: String) -> BadRequest {
+    BadRequest { status: 400, message, param: None, code: None }
+}
+
+/// The served model, or 404 naming the one that is.
+fn model(o: &Map<String, Value>, model_name: &str) -> Result<String, BadRequest> {
     let model = match o.get("model") {
         Some(Value::String(m)) => m.clone(),
         None => return Err(bad("model", "model is required")),
@@ -85,79 +77,69 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
             code: Some("model_not_found"),
         });
     }
-    let input = match kind {
-        Kind::Chat => {
-            let msgs = match o.get("messages") {
-                Some(Value::Array(a)) => a,
-                None => return Err(bad("messages", "messages is required")),
-                Some(_) => return Err(bad("messages", "messages must be an array")),
-            };
-            if msgs.is_empty() {
-                return Err(bad("messages", "messages must not be empty"));
-            }
-            let mut out = Vec::with_capacity(msgs.len());
-            for (i, m) in msgs.iter().enumerate() {
-                let role = m
-                    .get("role")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| bad("messages", format!("messages[{i}].role is required")))?;
-                if !ROLES.contains(&role) {
-                    return Err(bad(
-                        "messages",
-                        format!("messages[{i}].role {role:?} is not one of {}", ROLES.join(", ")),
-                    ));
-                }
-                let role = if role == "developer" { "system" } else { role };
-                let content = text_of(m.get("content").unwrap_or(&Value::Null), i)?;
-                out.push(pb::ChatMessage { role: role.into(), content });
-            }
-            pb::generate_request::Input::Chat(pb::ChatMessages { messages: out })
-        }
-        Kind::Completion => {
-            let p = match o.get("prompt") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                    a[0].as_str().unwrap_or_default().to_string()
-                }
-                Some(Value::Array(_)) => {
-                    return Err(bad("prompt", "prompt must be one string (batches of prompts are not supported)"))
-                }
-                None => return Err(bad("prompt", "prompt is required")),
-                Some(_) => return Err(bad("prompt", "prompt must be a string")),
-            };
-            if p.is_empty() {
-                return Err(bad("prompt", "prompt must not be empty"));
-            }
-            pb::generate_request::Input::Prompt(p)
-        }
+    Ok(model)
+}
+
+fn messages(o: &Map<String, Value>) -> Result<pb::generate_request::Input, BadRequest> {
+    let msgs = match o.get("messages") {
+        Some(Value::Array(a)) => a,
+        None => return Err(bad("messages", "messages is required")),
+        Some(_) => return Err(bad("messages", "messages must be an array")),
     };
+    if msgs.is_empty() {
+        return Err(bad("messages", "messages must not be empty"));
+    }
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("messages", format!("messages[{i}].role is required")))?;
+        if !ROLES.contains(&role) {
+            return Err(bad("messages", format!("messages[{i}].role {role:?} is not one of {}", ROLES.join(", "))));
+        }
+        let role = if role == "developer" { "system" } else { role };
+        let content = text_of(m.get("content").unwrap_or(&Value::Null), i)?;
+        out.push(pb::ChatMessage { role: role.into(), content });
+    }
+    Ok(pb::generate_request::Input::Chat(pb::ChatMessages { messages: out }))
+}
+
+fn prompt(o: &Map<String, Value>) -> Result<pb::generate_request::Input, BadRequest> {
+    let p = match o.get("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+        Some(Value::Array(_)) => {
+            return Err(bad("prompt", "prompt must be one string (batches of prompts are not supported)"))
+        }
+        None => return Err(bad("prompt", "prompt is required")),
+        Some(_) => return Err(bad("prompt", "prompt must be a string")),
+    };
+    if p.is_empty() {
+        return Err(bad("prompt", "prompt must not be empty"));
+    }
+    Ok(pb::generate_request::Input::Prompt(p))
+}
+
+/// `max_completion_tokens` (the newer name) or `max_tokens`.
+fn max_tokens(o: &Map<String, Value>, default: u32) -> Result<u32, BadRequest> {
     let key = if o.get("max_completion_tokens").is_some_and(|v| !v.is_null()) {
         "max_completion_tokens"
     } else {
         "max_tokens"
     };
-    let max_tokens = match number(o, key)? {
-        None => default_max_tokens,
-        Some(n) if n.fract() != 0.0 => {
-            return Err(bad(
-                if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" },
-                format!("{key} must be an integer, got {n}"),
-            ))
-        }
-        Some(n) if n < 1.0 => {
-            return Err(bad(
-                if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" },
-                format!("{key} must be at least 1, got {n}"),
-            ))
-        }
-        Some(n) if n > u32::MAX as f64 => {
-            return Err(bad(
-                if key == "max_tokens" { "max_tokens" } else { "max_completion_tokens" },
-                format!("{key} is too large: {n}"),
-            ))
-        }
-        Some(n) => n as u32,
-    };
+    match number(o, key)? {
+        None => Ok(default),
+        Some(n) if n.fract() != 0.0 => Err(bad(key, format!("{key} must be an integer, got {n}"))),
+        Some(n) if n < 1.0 => Err(bad(key, format!("{key} must be at least 1, got {n}"))),
+        Some(n) if n > u32::MAX as f64 => Err(bad(key, format!("{key} is too large: {n}"))),
+        Some(n) => Ok(n as u32),
+    }
+}
+
+/// Temperature, top_p, top_k and seed. Greedy for temperature 0 is exact;
+/// other settings sample with the seed.
+fn sampling(o: &Map<String, Value>) -> Result<common::SamplingParams, BadRequest> {
     let temperature = number(o, "temperature")?.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(bad("temperature", format!("temperature must be between 0 and 2, got {temperature}")));
@@ -176,11 +158,10 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
         Some(s) if s.fract() == 0.0 && s < 0.0 && s >= i64::MIN as f64 => (s as i64) as u64,
         Some(s) => return Err(bad("seed", format!("seed must be an integer, got {s}"))),
     };
-    match number(o, "n")? {
-        None => {}
-        Some(1.0) => {}
-        Some(n) => return Err(bad("n", format!("only n = 1 is supported, got {n}"))),
-    }
+    Ok(common::SamplingParams { temperature: temperature as f32, top_k: top_k as u32, top_p: top_p as f32, seed })
+}
+
+fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BadRequest> {
     let stop = match o.get("stop") {
         None | Some(Value::Null) => vec![],
         Some(Value::String(s)) => vec![s.clone()],
@@ -192,6 +173,25 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
     if stop.len() > 4 || stop.iter().any(String::is_empty) {
         return Err(bad("stop", "stop takes up to 4 non-empty strings"));
     }
+    Ok(stop)
+}
+
+/// Parse a `/v1/chat/completions` or `/v1/completions` body.
+pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32) -> Result<Parsed, BadRequest> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| invalid(format!("request body is not valid JSON: {e}")))?;
+    let o = v.as_object().ok_or_else(|| invalid("request body must be a JSON object".into()))?;
+    let model = model(o, model_name)?;
+    let input = match kind {
+        Kind::Chat => messages(o)?,
+        Kind::Completion => prompt(o)?,
+    };
+    let max_tokens = max_tokens(o, default_max_tokens)?;
+    let sampling = sampling(o)?;
+    match number(o, "n")? {
+        None | Some(1.0) => {}
+        Some(n) => return Err(bad("n", format!("only n = 1 is supported, got {n}"))),
+    }
+    let stop = stop(o)?;
     let stream = match o.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -199,9 +199,6 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
     };
     let include_usage =
         o.get("stream_options").and_then(|s| s.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
-    // Greedy for temperature 0 is exact; other settings sample with the seed.
-    let sampling =
-        common::SamplingParams { temperature: temperature as f32, top_k: top_k as u32, top_p: top_p as f32, seed };
     let ignore_eos = o.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
     Ok(Parsed {
         request: pb::GenerateRequest {
