@@ -81,61 +81,104 @@ fn instance(s: Option<&Span>) -> String {
     s.and_then(|s| s.attr_str(attr::SERVICE_INSTANCE_ID)).unwrap_or("?").to_string()
 }
 
-/// Attribute a trace's time to causes.
-pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
-    if spans.is_empty() {
-        return Err("the trace has no spans".into());
-    }
-    let trace_id = spans[0].trace_id.clone();
-    let gateway = find(spans, |s| s.service == "pdmesh-gateway" && s.kind == "server");
-    let router = find(spans, |s| is_rpc(s, rpc::ROUTER_GENERATE, "server"));
-    let outer = gateway.or(router).ok_or("the trace has neither a gateway request span nor a router Generate span")?;
-    let tokenize = child_of(spans, router, span::TOKENIZE);
-    let prefill = find(spans, |s| is_rpc(s, rpc::PREFILL_PREFILL, "server"));
-    let queued = child_of(spans, prefill, span::QUEUED);
-    let forward = child_of(spans, prefill, span::PREFILL_FORWARD);
-    let xfer = child_of(spans, prefill, span::KV_TRANSFER);
-    let decode_loop = find(spans, |s| s.name == span::DECODE_LOOP);
-    let decode = decode_loop
-        .and_then(|l| spans.iter().find(|s| s.span_id == l.parent_id))
-        .or_else(|| find(spans, |s| is_rpc(s, rpc::DECODE_GENERATE, "server")));
-    let admit = child_of(spans, decode, span::ADMIT);
-    let detok = child_of(spans, router, span::DETOKENIZE);
+/// The spans that mark a request's milestones (the last attempt's).
+struct Marks<'a> {
+    spans: &'a [Span],
+    gateway: Option<&'a Span>,
+    router: Option<&'a Span>,
+    outer: &'a Span,
+    tokenize: Option<&'a Span>,
+    prefill: Option<&'a Span>,
+    queued: Option<&'a Span>,
+    forward: Option<&'a Span>,
+    xfer: Option<&'a Span>,
+    decode: Option<&'a Span>,
+    decode_loop: Option<&'a Span>,
+    admit: Option<&'a Span>,
+    detok: Option<&'a Span>,
+}
 
-    let (t0, t_end) = (outer.start_ns, outer.end_ns);
-    let tail_ns = gateway.and_then(|g| g.attr_f64(attr::CLIENT_TAIL_MS)).map_or(0, |ms| (ms * 1e6) as u64);
-    let limit = t_end.saturating_sub(tail_ns).max(t0);
-    let mut acc: Vec<(&'static str, u64)> = CAUSES.iter().map(|c| (*c, 0u64)).collect();
-    let mut cursor = t0;
-    let mut charge = |cause: &'static str, until: Option<u64>, cap: u64| {
-        if let Some(u) = until {
-            let u = u.min(cap);
-            if u > cursor {
-                if let Some(a) = acc.iter_mut().find(|(c, _)| *c == cause) {
-                    a.1 += u - cursor;
+impl<'a> Marks<'a> {
+    fn find(spans: &'a [Span]) -> Result<Marks<'a>, String> {
+        let gateway = find(spans, |s| s.service == "pdmesh-gateway" && s.kind == "server");
+        let router = find(spans, |s| is_rpc(s, rpc::ROUTER_GENERATE, "server"));
+        let outer =
+            gateway.or(router).ok_or("the trace has neither a gateway request span nor a router Generate span")?;
+        let prefill = find(spans, |s| is_rpc(s, rpc::PREFILL_PREFILL, "server"));
+        let decode_loop = find(spans, |s| s.name == span::DECODE_LOOP);
+        let decode = decode_loop
+            .and_then(|l| spans.iter().find(|s| s.span_id == l.parent_id))
+            .or_else(|| find(spans, |s| is_rpc(s, rpc::DECODE_GENERATE, "server")));
+        Ok(Marks {
+            spans,
+            gateway,
+            router,
+            outer,
+            tokenize: child_of(spans, router, span::TOKENIZE),
+            prefill,
+            queued: child_of(spans, prefill, span::QUEUED),
+            forward: child_of(spans, prefill, span::PREFILL_FORWARD),
+            xfer: child_of(spans, prefill, span::KV_TRANSFER),
+            decode,
+            decode_loop,
+            admit: child_of(spans, decode, span::ADMIT),
+            detok: child_of(spans, router, span::DETOKENIZE),
+        })
+    }
+
+    /// Nanoseconds charged to each of [`CAUSES`], walking the milestones in order.
+    fn charge(&self) -> Vec<(&'static str, u64)> {
+        let (t0, t_end) = (self.outer.start_ns, self.outer.end_ns);
+        let tail_ns = self.gateway.and_then(|g| g.attr_f64(attr::CLIENT_TAIL_MS)).map_or(0, |ms| (ms * 1e6) as u64);
+        let limit = t_end.saturating_sub(tail_ns).max(t0);
+        let mut acc: Vec<(&'static str, u64)> = CAUSES.iter().map(|c| (*c, 0u64)).collect();
+        let mut cursor = t0;
+        let mut charge = |cause: &'static str, until: Option<u64>, cap: u64| {
+            if let Some(u) = until {
+                let u = u.min(cap);
+                if u > cursor {
+                    if let Some(a) = acc.iter_mut().find(|(c, _)| *c == cause) {
+                        a.1 += u - cursor;
+                    }
+                    cursor = u;
                 }
-                cursor = u;
             }
+        };
+        let gw = self.gateway.is_some();
+        if gw {
+            charge("gateway/proxy", self.router.map(|r| r.start_ns), limit);
         }
-    };
-    if gateway.is_some() {
-        charge("gateway/proxy", router.map(|r| r.start_ns), limit);
+        charge("router", self.tokenize.map(|s| s.start_ns), limit);
+        charge("tokenize", self.tokenize.map(|s| s.end_ns), limit);
+        charge("router", self.queued.or(self.prefill).map(|s| s.start_ns), limit);
+        charge("queue wait", self.queued.map(|s| s.end_ns), limit);
+        charge("prefill compute", self.forward.map(|s| s.end_ns), limit);
+        charge("decode admission", self.admit.map(|s| s.end_ns), limit);
+        charge("KV transfer", self.decode_loop.map(|s| s.start_ns), limit);
+        charge("decode steps", self.decode_loop.map(|s| s.end_ns), limit);
+        charge("detokenize", self.router.filter(|_| gw).map(|s| s.end_ns), limit);
+        charge(if gw { "gateway/proxy" } else { "router" }, Some(limit), limit);
+        charge("client write", Some(t_end), t_end);
+        acc
     }
-    charge("router", tokenize.map(|s| s.start_ns), limit);
-    charge("tokenize", tokenize.map(|s| s.end_ns), limit);
-    charge("router", queued.or(prefill).map(|s| s.start_ns), limit);
-    charge("queue wait", queued.map(|s| s.end_ns), limit);
-    charge("prefill compute", forward.map(|s| s.end_ns), limit);
-    charge("decode admission", admit.map(|s| s.end_ns), limit);
-    charge("KV transfer", decode_loop.map(|s| s.start_ns), limit);
-    charge("decode steps", decode_loop.map(|s| s.end_ns), limit);
-    charge("detokenize", router.filter(|_| gateway.is_some()).map(|s| s.end_ns), limit);
-    charge(if gateway.is_some() { "gateway/proxy" } else { "router" }, Some(limit), limit);
-    charge("client write", Some(t_end), t_end);
 
-    let total = t_end.saturating_sub(t0).max(1);
-    let ms = |ns: u64| ns as f64 / 1e6;
-    let detail = |cause: &str| -> String {
+    /// One line of evidence for `cause`, from the attributes of its spans.
+    fn detail(&self, cause: &str) -> String {
+        let Marks {
+            spans,
+            gateway,
+            router,
+            tokenize,
+            prefill,
+            queued,
+            forward,
+            xfer,
+            decode,
+            decode_loop,
+            admit,
+            detok,
+            ..
+        } = *self;
         match cause {
             "gateway/proxy" => format!("gateway {}", instance(gateway)),
             "router" => {
@@ -202,14 +245,25 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
             ),
             _ => String::new(),
         }
-    };
-    let parts: Vec<Part> = acc
+    }
+}
+
+/// Attribute a trace's time to causes.
+pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
+    if spans.is_empty() {
+        return Err("the trace has no spans".into());
+    }
+    let marks = Marks::find(spans)?;
+    let total = marks.outer.end_ns.saturating_sub(marks.outer.start_ns).max(1);
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let parts: Vec<Part> = marks
+        .charge()
         .iter()
         .map(|(c, ns)| Part {
             cause: c,
             ms: ms(*ns),
             share: *ns as f64 / total as f64,
-            detail: if *ns > 0 { detail(c) } else { String::new() },
+            detail: if *ns > 0 { marks.detail(c) } else { String::new() },
         })
         .collect();
     let top = parts.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)).expect("causes are not empty");
@@ -225,7 +279,7 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
     services.sort();
     services.dedup();
     Ok(Explanation {
-        trace_id,
+        trace_id: spans[0].trace_id.clone(),
         total_ms: ms(total),
         dominant: top.cause,
         sentence,

@@ -197,15 +197,19 @@ impl Svc {
     }
 }
 
-pub async fn run(a: Args) -> Result<(), String> {
-    let bin_dir = match &a.bin_dir {
-        Some(d) => d.clone(),
+fn bin_dir(a: &Args) -> Result<PathBuf, String> {
+    match &a.bin_dir {
+        Some(d) => Ok(d.clone()),
         None => std::env::current_exe()
             .map_err(|e| e.to_string())?
             .parent()
             .map(Path::to_path_buf)
-            .ok_or("no folder for meshctl")?,
-    };
+            .ok_or_else(|| "no folder for meshctl".to_string()),
+    }
+}
+
+/// The registry and log folders, refusing a registry a live mesh uses.
+async fn folders(a: &Args) -> Result<PathBuf, String> {
     let reg = FileRegistry::new(&a.registry_dir, Duration::from_secs(10));
     if let Some(g) = reg.healthy("gateway").await.map_err(|e| e.to_string())?.first() {
         return Err(format!(
@@ -217,6 +221,10 @@ pub async fn run(a: Args) -> Result<(), String> {
     std::fs::create_dir_all(&a.registry_dir).map_err(|e| format!("{}: {e}", a.registry_dir.display()))?;
     let log_dir = a.log_dir.clone().unwrap_or_else(|| a.registry_dir.parent().unwrap_or(Path::new(".")).join("logs"));
     std::fs::create_dir_all(&log_dir).map_err(|e| format!("{}: {e}", log_dir.display()))?;
+    Ok(log_dir)
+}
+
+async fn model_path(a: &Args) -> Result<String, String> {
     let model = match &a.model {
         Some(m) => m.clone(),
         None => {
@@ -227,8 +235,68 @@ pub async fn run(a: Args) -> Result<(), String> {
                 .map_err(|e| e.to_string())?
         }
     };
-    let model = model.display().to_string();
-    let reg_dir = a.registry_dir.display().to_string();
+    Ok(model.display().to_string())
+}
+
+/// The flags every service of the mesh gets.
+fn common_args(a: &Args, id: &str, listen: String, http: &str) -> Vec<String> {
+    let mut args = vec![
+        "--listen".into(),
+        listen,
+        "--http-listen".into(),
+        http.to_string(),
+        "--registry-dir".into(),
+        a.registry_dir.display().to_string(),
+        "--instance-id".into(),
+        id.to_string(),
+    ];
+    if a.enable_fault_injection {
+        args.push("--enable-fault-injection".into());
+    }
+    if let Some(e) = &a.telemetry.otlp_endpoint {
+        args.extend(["--otlp-endpoint".into(), e.clone()]);
+    }
+    args.extend([
+        "--trace-sample-ratio".into(),
+        a.telemetry.trace_sample_ratio.to_string(),
+        "--trace-export-delay-ms".into(),
+        a.telemetry.trace_export_delay_ms.to_string(),
+    ]);
+    args
+}
+
+/// The flags only `name` gets.
+fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
+    match name {
+        "tokenizer" => vec!["--model".into(), model.to_string()],
+        "prefill" | "decode" => {
+            let (blocks, batch) =
+                if name == "decode" { (a.decode_kv_blocks, a.decode_max_batch) } else { (a.prefill_kv_blocks, 32) };
+            let mut args = vec![
+                "--model".into(),
+                model.to_string(),
+                "--threads".into(),
+                a.threads.to_string(),
+                "--kv-blocks".into(),
+                blocks.to_string(),
+                "--max-batch".into(),
+                batch.to_string(),
+                "--kv-transport".into(),
+                a.kv_transport.clone(),
+                "--trace-kernel-steps".into(),
+                a.trace_kernel_steps.clone(),
+            ];
+            if name == "decode" {
+                args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
+            }
+            args
+        }
+        _ => vec![],
+    }
+}
+
+/// Every process of the mesh, in start order.
+fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc>, String> {
     let mut svcs = Vec::new();
     for name in crate::status::SERVICES {
         let replicas = match name {
@@ -243,56 +311,8 @@ pub async fn run(a: Args) -> Result<(), String> {
             let id = format!("{name}-{r}");
             let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
             let http = free_addr()?;
-            let mut args = vec![
-                "--listen".into(),
-                listen,
-                "--http-listen".into(),
-                http.clone(),
-                "--registry-dir".into(),
-                reg_dir.clone(),
-                "--instance-id".into(),
-                id.clone(),
-            ];
-            if a.enable_fault_injection {
-                args.push("--enable-fault-injection".into());
-            }
-            if let Some(e) = &a.telemetry.otlp_endpoint {
-                args.extend(["--otlp-endpoint".into(), e.clone()]);
-            }
-            args.extend([
-                "--trace-sample-ratio".into(),
-                a.telemetry.trace_sample_ratio.to_string(),
-                "--trace-export-delay-ms".into(),
-                a.telemetry.trace_export_delay_ms.to_string(),
-            ]);
-            if name == "decode" {
-                args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
-            }
-            match name {
-                "tokenizer" => args.extend(["--model".into(), model.clone()]),
-                "prefill" | "decode" => {
-                    let (blocks, batch) = if name == "decode" {
-                        (a.decode_kv_blocks, a.decode_max_batch)
-                    } else {
-                        (a.prefill_kv_blocks, 32)
-                    };
-                    args.extend([
-                        "--model".into(),
-                        model.clone(),
-                        "--threads".into(),
-                        a.threads.to_string(),
-                        "--kv-blocks".into(),
-                        blocks.to_string(),
-                        "--max-batch".into(),
-                        batch.to_string(),
-                        "--kv-transport".into(),
-                        a.kv_transport.clone(),
-                        "--trace-kernel-steps".into(),
-                        a.trace_kernel_steps.clone(),
-                    ]);
-                }
-                _ => {}
-            }
+            let mut args = common_args(a, &id, listen, &http);
+            args.extend(service_args(a, name, model));
             svcs.push(Svc {
                 name: id.clone(),
                 bin: bin_dir.join(format!("pdmesh-{name}")),
@@ -305,81 +325,98 @@ pub async fn run(a: Args) -> Result<(), String> {
             });
         }
     }
-    let timeout = Duration::from_secs(a.ready_timeout_s);
-    let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());
-    // Start in order, each gated on the previous one's health.
-    for i in 0..svcs.len() {
+    Ok(svcs)
+}
+
+async fn stop_all(svcs: &mut [Svc], grace: Duration) {
+    for s in svcs.iter_mut().rev() {
+        s.stop(grace).await;
+    }
+}
+
+/// Start in order, each gated on the previous one's health; a service
+/// whose port was taken before it bound gets new ports (up to 4 tries).
+async fn start_all(
+    svcs: &mut [Svc],
+    timeout: Duration,
+    stop: &mut (impl std::future::Future<Output = ()> + Unpin),
+) -> Result<(), String> {
+    for s in svcs.iter_mut() {
         let mut tries = 0;
-        let r = loop {
-            svcs[i].spawn()?;
+        loop {
+            s.spawn()?;
             let r = tokio::select! {
-                r = svcs[i].wait_healthy(timeout) => r,
-                _ = &mut stop => Err("interrupted".into()),
+                r = s.wait_healthy(timeout) => r,
+                _ = &mut *stop => Err("interrupted".into()),
             };
             tries += 1;
-            if r.is_err() && tries < 4 && svcs[i].port_was_taken() {
-                svcs[i].new_ports()?;
+            if r.is_err() && tries < 4 && s.port_was_taken() {
+                s.new_ports()?;
                 continue;
             }
-            break r;
-        };
-        if let Err(e) = r {
-            for s in svcs.iter_mut().rev() {
-                s.stop(Duration::from_secs(5)).await;
-            }
-            return Err(e);
+            r?;
+            break;
         }
-        eprintln!("meshctl: {:<9} healthy (http {}, log {})", svcs[i].name, svcs[i].http, svcs[i].log.display());
+        eprintln!("meshctl: {:<9} healthy (http {}, log {})", s.name, s.http, s.log.display());
+    }
+    Ok(())
+}
+
+/// Restart each service that exited (unless `--no-restart`); whether the
+/// Prometheus target list needs rewriting (a service got new ports).
+fn restart_exited(a: &Args, svcs: &mut [Svc]) -> bool {
+    let mut moved = false;
+    for s in svcs.iter_mut() {
+        let Some(st) = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) else { continue };
+        s.child = None;
+        if a.no_restart {
+            eprintln!("meshctl: {} exited ({st}); not restarting (--no-restart)", s.name);
+            continue;
+        }
+        s.restarts += 1;
+        eprintln!("meshctl: {} exited ({st}); restarting it alone (restart {})", s.name, s.restarts);
+        if s.port_was_taken() {
+            if let Err(e) = s.new_ports() {
+                eprintln!("meshctl: {e}");
+            }
+            moved = true;
+        }
+        if let Err(e) = s.spawn() {
+            eprintln!("meshctl: {e}");
+        }
+    }
+    moved
+}
+
+pub async fn run(a: Args) -> Result<(), String> {
+    let bin_dir = bin_dir(&a)?;
+    let log_dir = folders(&a).await?;
+    let model = model_path(&a).await?;
+    let mut svcs = plan(&a, &bin_dir, &log_dir, &model)?;
+    let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());
+    let started = start_all(&mut svcs, Duration::from_secs(a.ready_timeout_s), &mut stop).await;
+    let started = started.and_then(|_| a.prometheus_sd.as_ref().map_or(Ok(()), |f| write_prometheus_sd(f, &svcs)));
+    if let Err(e) = started {
+        stop_all(&mut svcs, Duration::from_secs(5)).await;
+        return Err(e);
     }
     if let Some(f) = &a.prometheus_sd {
-        if let Err(e) = write_prometheus_sd(f, &svcs) {
-            for s in svcs.iter_mut().rev() {
-                s.stop(Duration::from_secs(5)).await;
-            }
-            return Err(e);
-        }
         eprintln!("meshctl: Prometheus targets in {}", f.display());
     }
     println!("pdmesh is up: http://{}/v1 (registry {}); Ctrl-C stops it", a.gateway_addr, a.registry_dir.display());
     // Supervise until a signal.
-    let mut sd_stale = false;
     loop {
-        if std::mem::take(&mut sd_stale) {
-            if let Some(f) = &a.prometheus_sd {
-                if let Err(e) = write_prometheus_sd(f, &svcs) {
-                    eprintln!("meshctl: {e}");
-                }
-            }
-        }
         tokio::select! {
             _ = &mut stop => break,
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
-        for s in svcs.iter_mut() {
-            let exited = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-            if let Some(st) = exited {
-                s.child = None;
-                if a.no_restart {
-                    eprintln!("meshctl: {} exited ({st}); not restarting (--no-restart)", s.name);
-                    continue;
-                }
-                s.restarts += 1;
-                eprintln!("meshctl: {} exited ({st}); restarting it alone (restart {})", s.name, s.restarts);
-                if s.port_was_taken() {
-                    if let Err(e) = s.new_ports() {
-                        eprintln!("meshctl: {e}");
-                    }
-                    sd_stale = true;
-                }
-                if let Err(e) = s.spawn() {
-                    eprintln!("meshctl: {e}");
-                }
+        if restart_exited(&a, &mut svcs) {
+            if let Some(Err(e)) = a.prometheus_sd.as_ref().map(|f| write_prometheus_sd(f, &svcs)) {
+                eprintln!("meshctl: {e}");
             }
         }
     }
     eprintln!("meshctl: stopping (gateway first)");
-    for s in svcs.iter_mut().rev() {
-        s.stop(Duration::from_secs(10)).await;
-    }
+    stop_all(&mut svcs, Duration::from_secs(10)).await;
     Ok(())
 }
