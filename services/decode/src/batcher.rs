@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
 use pdmesh_core::vocab::{attr, span};
+use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as pb;
@@ -332,10 +333,7 @@ impl Loop {
         let t = Instant::now();
         let result = {
             let _in = span.enter();
-            pdmesh_engine::model::set_kernel_spans(kernels);
-            let r = self.engine.decode(&ids);
-            pdmesh_engine::model::set_kernel_spans(false);
-            r
+            self.engine.decode_with(&ids, StepOptions { kernel_spans: kernels })
         };
         drop(span);
         self.stats.step_seconds.observe(t.elapsed().as_secs_f64());

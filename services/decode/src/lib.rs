@@ -112,8 +112,7 @@ pub async fn serve(
         admin,
         listener,
         shutdown,
-        agent,
-        broker,
+        pdmesh_worker::BrokerLink { agent, broker },
     )
     .await;
     stop_progress.store(true, Ordering::Relaxed);

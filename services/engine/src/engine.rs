@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::error::{EngineError, Result};
 use crate::kv::{KvBlob, KvCache, KvLayout};
-use crate::model::{BatchItem, Model, Scratch};
+use crate::model::{BatchItem, Model, Scratch, StepOptions};
 use crate::sampler::{sample, SamplingParams};
 
 pub type SeqId = u64;
@@ -177,7 +177,12 @@ impl Engine {
     /// Feed up to `chunk` pending tokens of each sequence in one forward
     /// step. Returns, for each sequence whose pending tokens are now all in
     /// the cache, the logits of its last position.
-    pub fn forward_pending(&mut self, ids: &[SeqId], chunk: usize) -> Result<Vec<(SeqId, Vec<f32>)>> {
+    pub fn forward_pending(
+        &mut self,
+        ids: &[SeqId],
+        chunk: usize,
+        opts: StepOptions,
+    ) -> Result<Vec<(SeqId, Vec<f32>)>> {
         let mut plan = Vec::with_capacity(ids.len());
         for id in ids {
             let s = self.seq(*id)?;
@@ -198,7 +203,7 @@ impl Engine {
                 BatchItem { tokens: &s.tokens[*start..start + n], start_pos: *start, blocks: &s.blocks, logits: *last }
             })
             .collect();
-        let logits = self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch)?;
+        let logits = self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch, opts)?;
         let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
         let mut li = 0;
@@ -271,11 +276,16 @@ impl Engine {
     /// Prefill the prompts of `ids` (in chunks of `prefill_chunk` tokens per
     /// sequence and step) and sample each one's first token.
     pub fn prefill(&mut self, ids: &[SeqId]) -> Result<Vec<TokenEvent>> {
+        self.prefill_with(ids, StepOptions::default())
+    }
+
+    /// [`Engine::prefill`] with the caller's step options (kernel spans).
+    pub fn prefill_with(&mut self, ids: &[SeqId], opts: StepOptions) -> Result<Vec<TokenEvent>> {
         let chunk = self.options.prefill_chunk;
         let mut todo: Vec<SeqId> = ids.to_vec();
         let mut events = Vec::new();
         while !todo.is_empty() {
-            for (id, logits) in self.forward_pending(&todo, chunk)? {
+            for (id, logits) in self.forward_pending(&todo, chunk, opts)? {
                 events.push(self.accept(id, &logits)?);
                 todo.retain(|t| *t != id);
             }
@@ -286,13 +296,18 @@ impl Engine {
     /// One decode step for every sequence in `ids` (each must have its
     /// prompt prefilled and be unfinished).
     pub fn decode(&mut self, ids: &[SeqId]) -> Result<Vec<TokenEvent>> {
+        self.decode_with(ids, StepOptions::default())
+    }
+
+    /// [`Engine::decode`] with the caller's step options (kernel spans).
+    pub fn decode_with(&mut self, ids: &[SeqId], opts: StepOptions) -> Result<Vec<TokenEvent>> {
         for id in ids {
             let s = self.seq(*id)?;
             if s.tokens.len() - s.n_cached != 1 {
                 return Err(EngineError::InvalidArgument(format!("sequence {id} is not ready to decode")));
             }
         }
-        let out = self.forward_pending(ids, 1)?;
+        let out = self.forward_pending(ids, 1, opts)?;
         out.into_iter().map(|(id, l)| self.accept(id, &l)).collect()
     }
 

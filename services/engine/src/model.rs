@@ -170,45 +170,62 @@ thread_local! {
 /// Query positions one attention task handles (they share one gather).
 const ATT_CHUNK: usize = 32;
 
-thread_local! {
-    static KERNEL_SPANS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// What the caller of one engine step chooses for it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepOptions {
+    /// One span per kernel launch, children of the current span (the
+    /// worker's step span); set per step from the worker's kernel-span knob.
+    pub kernel_spans: bool,
 }
 
-/// Whether forward steps run on this thread emit one span per kernel launch
-/// (children of the current span: the engine step). Set per step by the
-/// worker's batcher from its kernel-span knob.
-pub fn set_kernel_spans(on: bool) {
-    KERNEL_SPANS.with(|c| c.set(on));
+/// Attribute keys of kernel-launch spans (this crate does not link
+/// `pdmesh-core`, whose `vocab` holds every other span name and key).
+pub mod kernel_attr {
+    pub const SPAN: &str = "kernel";
+    pub const BACKEND: &str = "kernel.backend";
+    pub const LAYER: &str = "kernel.layer";
+    pub const M: &str = "kernel.m";
+    pub const N: &str = "kernel.n";
+    pub const K: &str = "kernel.k";
+    pub const THREADS: &str = "knob.threads";
+    pub const TILE_B: &str = "knob.tile_b";
+    pub const ROW_SLICE: &str = "knob.row_slice";
+    pub const ATT_CHUNK: &str = "knob.att_chunk";
 }
 
-/// A kernel-launch span: name, backend, shape (m rows x n outputs x k
-/// inputs), layer, and the values of the kernel tuning knobs.
-fn kernel_span(
+/// Runs one step's kernels, each under its own span when asked: name,
+/// backend, shape (m rows x n outputs x k inputs), layer, and the values of
+/// the kernel tuning knobs.
+#[derive(Clone, Copy)]
+struct Kernels {
     on: bool,
-    name: &'static str,
     be: pdmesh_kernels::Backend,
     threads: usize,
-    layer: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Option<tracing::span::EnteredSpan> {
-    on.then(|| {
-        tracing::info_span!(
-            "kernel",
-            otel.name = name,
-            kernel.backend = be.name(),
-            kernel.layer = layer as i64,
-            kernel.m = m as i64,
-            kernel.n = n as i64,
-            kernel.k = k as i64,
-            knob.threads = threads as i64,
-            knob.tile_b = pdmesh_kernels::matmul::TILE_B as i64,
-            knob.row_slice = pdmesh_kernels::matmul::ROW_SLICE as i64,
-            knob.att_chunk = ATT_CHUNK as i64,
-        )
-        .entered()
-    })
+    /// Rows in the step (m).
+    rows: usize,
+}
+
+impl Kernels {
+    fn run<R>(&self, name: &'static str, layer: usize, n: usize, k: usize, f: impl FnOnce() -> R) -> R {
+        use kernel_attr as ka;
+        let _span = self.on.then(|| {
+            tracing::info_span!(
+                ka::SPAN,
+                otel.name = name,
+                { ka::BACKEND } = self.be.name(),
+                { ka::LAYER } = layer as i64,
+                { ka::M } = self.rows as i64,
+                { ka::N } = n as i64,
+                { ka::K } = k as i64,
+                { ka::THREADS } = self.threads as i64,
+                { ka::TILE_B } = pdmesh_kernels::matmul::TILE_B as i64,
+                { ka::ROW_SLICE } = pdmesh_kernels::matmul::ROW_SLICE as i64,
+                { ka::ATT_CHUNK } = ATT_CHUNK as i64,
+            )
+            .entered()
+        });
+        f()
+    }
 }
 
 impl Model {
@@ -267,14 +284,30 @@ impl Model {
 
     /// Run one step. Returns `vocab_size` logits for each item with
     /// `logits: true`, in item order, concatenated.
-    pub fn forward(&self, pool: &Pool, kv: &mut KvCache, batch: &[BatchItem<'_>], s: &mut Scratch) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let be = self.backend;
-        let (d, kvd, ff, hd) = (c.n_embd, c.kv_dim(), c.n_ff, c.head_dim);
+    pub fn forward(
+        &self,
+        pool: &Pool,
+        kv: &mut KvCache,
+        batch: &[BatchItem<'_>],
+        s: &mut Scratch,
+        opts: StepOptions,
+    ) -> Result<Vec<f32>> {
         let n_tok: usize = batch.iter().map(|b| b.tokens.len()).sum();
         if n_tok == 0 {
             return Ok(Vec::new());
         }
+        self.check_batch(kv, batch)?;
+        self.embed(batch, n_tok, s);
+        let kn = Kernels { on: opts.kernel_spans, be: self.backend, threads: pool.threads(), rows: n_tok };
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.attention_block(pool, kv, batch, li, layer, s, &kn);
+            self.ffn_block(pool, li, layer, s, &kn);
+        }
+        self.output_head(pool, batch, s, &kn)
+    }
+
+    fn check_batch(&self, kv: &KvCache, batch: &[BatchItem<'_>]) -> Result<()> {
+        let c = &self.config;
         for item in batch {
             let end = item.start_pos + item.tokens.len();
             if end > c.context_length || kv.layout.blocks_for(end) > item.blocks.len() {
@@ -286,6 +319,13 @@ impl Model {
                 return Err(EngineError::BadToken(*t));
             }
         }
+        Ok(())
+    }
+
+    /// Embed every token of the batch into `s.x`, and size the scratch.
+    fn embed(&self, batch: &[BatchItem<'_>], n_tok: usize, s: &mut Scratch) {
+        let c = &self.config;
+        let (d, kvd, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
         s.x.resize(n_tok * d, 0.0);
         let mut row = 0;
         for item in batch {
@@ -294,104 +334,100 @@ impl Model {
                 row += 1;
             }
         }
-        s.xn.resize(n_tok * d, 0.0);
-        s.q.resize(n_tok * d, 0.0);
-        s.k.resize(n_tok * kvd, 0.0);
-        s.v.resize(n_tok * kvd, 0.0);
-        s.att.resize(n_tok * d, 0.0);
-        s.proj.resize(n_tok * d, 0.0);
+        for (buf, width) in
+            [(&mut s.xn, d), (&mut s.q, d), (&mut s.k, kvd), (&mut s.v, kvd), (&mut s.att, d), (&mut s.proj, d)]
+        {
+            buf.resize(n_tok * width, 0.0);
+        }
         s.gate.resize(n_tok * ff, 0.0);
         s.up.resize(n_tok * ff, 0.0);
+    }
 
-        let dump = |name: &str, li: usize, v: &[f32]| {
-            if let Some(dir) = &self.dump_dir {
-                dump_tensor(dir, &format!("{name}-{li}"), v);
-            }
-        };
-        let on = KERNEL_SPANS.with(|c| c.get());
-        let th = pool.threads();
-        let ks = |name, li, n, k| kernel_span(on, name, be, th, li, n_tok, n, k);
-        for (li, layer) in self.layers.iter().enumerate() {
-            // Attention block.
-            let k = ks("rms_norm", li, d, d);
-            norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn);
-            drop(k);
-            dump("attn_norm", li, &s.xn);
-            let k = ks("quantize_q8", li, d, d);
-            quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
-            drop(k);
-            let k = ks("matmul_q", li, d, d);
-            matmul(be, pool, &layer.wq.matrix(), &s.qa, &mut s.q);
-            drop(k);
-            let k = ks("matmul_k", li, kvd, d);
-            matmul(be, pool, &layer.wk.matrix(), &s.qa, &mut s.k);
-            drop(k);
-            let k = ks("matmul_v", li, kvd, d);
-            matmul(be, pool, &layer.wv.matrix(), &s.qa, &mut s.v);
-            drop(k);
-            let k = ks("rope_kv_write", li, d + kvd, hd);
-            let mut row = 0;
-            for item in batch {
-                for i in 0..item.tokens.len() {
-                    let pos = item.start_pos + i;
-                    rope::rope_row(&mut s.q[row * d..(row + 1) * d], hd, c.rope_dims, pos, c.rope_base);
-                    rope::rope_row(&mut s.k[row * kvd..(row + 1) * kvd], hd, c.rope_dims, pos, c.rope_base);
-                    for h in 0..c.n_kv_heads {
-                        kv.write(item.blocks, li, 0, h, pos, &s.k[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
-                        kv.write(item.blocks, li, 1, h, pos, &s.v[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
-                    }
-                    row += 1;
-                }
-            }
-            drop(k);
-            dump("Qcur", li, &s.q);
-            dump("Kcur", li, &s.k);
-            dump("Vcur", li, &s.v);
-            let k = ks("attention", li, d, batch.iter().map(|b| b.start_pos + b.tokens.len()).max().unwrap_or(0));
-            self.attention(pool, kv, batch, li, &s.q, &mut s.att);
-            drop(k);
-            dump("kqv_out", li, &s.att);
-            let k = ks("quantize_q8", li, d, d);
-            quantize_rows(be, pool, &s.att, n_tok, d, &mut s.qa);
-            drop(k);
-            let k = ks("matmul_o", li, d, d);
-            matmul(be, pool, &layer.wo.matrix(), &s.qa, &mut s.proj);
-            drop(k);
-            dump("attn_out", li, &s.proj);
-            s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
-            dump("ffn_inp", li, &s.x);
-
-            // Feed-forward block.
-            let k = ks("rms_norm", li, d, d);
-            norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn);
-            drop(k);
-            let k = ks("quantize_q8", li, d, d);
-            quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa);
-            drop(k);
-            let k = ks("matmul_gate", li, ff, d);
-            matmul(be, pool, &layer.w_gate.matrix(), &s.qa, &mut s.gate);
-            drop(k);
-            let k = ks("matmul_up", li, ff, d);
-            matmul(be, pool, &layer.w_up.matrix(), &s.qa, &mut s.up);
-            drop(k);
-            dump("ffn_gate", li, &s.gate);
-            dump("ffn_up", li, &s.up);
-            let k = ks("silu_mul", li, ff, ff);
-            activation::silu_mul_be(be, &mut s.gate, &s.up);
-            drop(k);
-            dump("ffn_swiglu", li, &s.gate);
-            let k = ks("quantize_q8", li, ff, ff);
-            quantize_rows(be, pool, &s.gate, n_tok, ff, &mut s.qa);
-            drop(k);
-            let k = ks("matmul_down", li, d, ff);
-            matmul(be, pool, &layer.w_down.matrix(), &s.qa, &mut s.proj);
-            drop(k);
-            dump("ffn_out", li, &s.proj);
-            s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
-            dump("l_out", li, &s.x);
+    /// `PDMESH_DEBUG_DUMP_DIR`: write an intermediate tensor (debugging only).
+    fn dump(&self, name: &str, li: usize, v: &[f32]) {
+        if let Some(dir) = &self.dump_dir {
+            dump_tensor(dir, &format!("{name}-{li}"), v);
         }
+    }
 
-        // Output head, only for the rows that want logits.
+    /// Norm, Q/K/V projections, RoPE and the KV write, attention, output
+    /// projection and the residual add.
+    fn attention_block(
+        &self,
+        pool: &Pool,
+        kv: &mut KvCache,
+        batch: &[BatchItem<'_>],
+        li: usize,
+        layer: &Layer,
+        s: &mut Scratch,
+        kn: &Kernels,
+    ) {
+        let c = &self.config;
+        let (be, n_tok) = (self.backend, kn.rows);
+        let (d, kvd, hd) = (c.n_embd, c.kv_dim(), c.head_dim);
+        kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn));
+        self.dump("attn_norm", li, &s.xn);
+        kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa));
+        kn.run("matmul_q", li, d, d, || matmul(be, pool, &layer.wq.matrix(), &s.qa, &mut s.q));
+        kn.run("matmul_k", li, kvd, d, || matmul(be, pool, &layer.wk.matrix(), &s.qa, &mut s.k));
+        kn.run("matmul_v", li, kvd, d, || matmul(be, pool, &layer.wv.matrix(), &s.qa, &mut s.v));
+        kn.run("rope_kv_write", li, d + kvd, hd, || self.rope_and_write(kv, batch, li, s));
+        self.dump("Qcur", li, &s.q);
+        self.dump("Kcur", li, &s.k);
+        self.dump("Vcur", li, &s.v);
+        let longest = batch.iter().map(|b| b.start_pos + b.tokens.len()).max().unwrap_or(0);
+        kn.run("attention", li, d, longest, || self.attention(pool, kv, batch, li, &s.q, &mut s.att));
+        self.dump("kqv_out", li, &s.att);
+        kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.att, n_tok, d, &mut s.qa));
+        kn.run("matmul_o", li, d, d, || matmul(be, pool, &layer.wo.matrix(), &s.qa, &mut s.proj));
+        self.dump("attn_out", li, &s.proj);
+        s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
+        self.dump("ffn_inp", li, &s.x);
+    }
+
+    /// RoPE on this step's queries and keys; keys and values into the cache.
+    fn rope_and_write(&self, kv: &mut KvCache, batch: &[BatchItem<'_>], li: usize, s: &mut Scratch) {
+        let c = &self.config;
+        let (d, kvd, hd) = (c.n_embd, c.kv_dim(), c.head_dim);
+        let mut row = 0;
+        for item in batch {
+            for i in 0..item.tokens.len() {
+                let pos = item.start_pos + i;
+                rope::rope_row(&mut s.q[row * d..(row + 1) * d], hd, c.rope_dims, pos, c.rope_base);
+                rope::rope_row(&mut s.k[row * kvd..(row + 1) * kvd], hd, c.rope_dims, pos, c.rope_base);
+                for h in 0..c.n_kv_heads {
+                    kv.write(item.blocks, li, 0, h, pos, &s.k[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
+                    kv.write(item.blocks, li, 1, h, pos, &s.v[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
+                }
+                row += 1;
+            }
+        }
+    }
+
+    /// Norm, gate and up projections, SwiGLU, down projection and the residual add.
+    fn ffn_block(&self, pool: &Pool, li: usize, layer: &Layer, s: &mut Scratch, kn: &Kernels) {
+        let c = &self.config;
+        let (be, n_tok) = (self.backend, kn.rows);
+        let (d, ff) = (c.n_embd, c.n_ff);
+        kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn));
+        kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa));
+        kn.run("matmul_gate", li, ff, d, || matmul(be, pool, &layer.w_gate.matrix(), &s.qa, &mut s.gate));
+        kn.run("matmul_up", li, ff, d, || matmul(be, pool, &layer.w_up.matrix(), &s.qa, &mut s.up));
+        self.dump("ffn_gate", li, &s.gate);
+        self.dump("ffn_up", li, &s.up);
+        kn.run("silu_mul", li, ff, ff, || activation::silu_mul_be(be, &mut s.gate, &s.up));
+        self.dump("ffn_swiglu", li, &s.gate);
+        kn.run("quantize_q8", li, ff, ff, || quantize_rows(be, pool, &s.gate, n_tok, ff, &mut s.qa));
+        kn.run("matmul_down", li, d, ff, || matmul(be, pool, &layer.w_down.matrix(), &s.qa, &mut s.proj));
+        self.dump("ffn_out", li, &s.proj);
+        s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
+        self.dump("l_out", li, &s.x);
+    }
+
+    /// Output head, only for the rows that want logits.
+    fn output_head(&self, pool: &Pool, batch: &[BatchItem<'_>], s: &mut Scratch, kn: &Kernels) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (be, d) = (self.backend, c.n_embd);
         let mut rows = Vec::new();
         let mut row = 0;
         for item in batch {
@@ -412,13 +448,13 @@ impl Model {
         quantize_rows(be, pool, &normed, rows.len(), d, &mut s.qa);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
-        let k = kernel_span(on, "matmul_lm_head", be, th, self.layers.len(), rows.len(), c.vocab_size, d);
-        matmul(be, pool, &head.matrix(), &s.qa, &mut logits);
-        drop(k);
+        let head_kn = Kernels { rows: rows.len(), ..*kn };
+        head_kn.run("matmul_lm_head", self.layers.len(), c.vocab_size, d, || {
+            matmul(be, pool, &head.matrix(), &s.qa, &mut logits)
+        });
         Ok(logits)
     }
 
-    /// Causal attention of every batch token against its sequence's cache.
     fn attention(&self, pool: &Pool, kv: &KvCache, batch: &[BatchItem<'_>], layer: usize, q: &[f32], out: &mut [f32]) {
         let c = &self.config;
         let (d, hd, group) = (c.n_embd, c.head_dim, c.group());

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
 use pdmesh_core::vocab::{attr, span};
-use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
+use pdmesh_engine::model::StepOptions;
+use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId, TokenEvent};
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 
@@ -167,147 +168,207 @@ impl Drop for Pinned {
     }
 }
 
+/// Whether the next queued prompt (of `next` tokens) joins a batch that
+/// already has `taken` prompts and `tokens` tokens. The first one always
+/// goes, however long; the rest fill up to both budgets.
+fn joins(taken: usize, tokens: usize, next: usize, max_batch: usize, batch_tokens: usize) -> bool {
+    taken == 0 || (taken < max_batch && tokens + next <= batch_tokens)
+}
+
+/// The prefill loop's own state: the engine, the queue it serves and the
+/// blocks pinned for transfers.
+struct Loop {
+    engine: Engine,
+    q: Arc<Queue>,
+    stats: Arc<Stats>,
+    max_batch: usize,
+    batch_tokens: usize,
+    kernel_spans: KernelSpans,
+    pinned: std::collections::HashMap<SeqId, u32>,
+}
+
 fn run(
-    mut engine: Engine,
+    engine: Engine,
     q: Arc<Queue>,
     stats: Arc<Stats>,
     max_batch: usize,
     batch_tokens: usize,
     kernel_spans: KernelSpans,
 ) {
-    let mut pinned: std::collections::HashMap<SeqId, u32> = Default::default();
-    loop {
+    let mut l = Loop { engine, q, stats, max_batch, batch_tokens, kernel_spans, pinned: Default::default() };
+    while let Some((batch, cmds)) = l.next() {
+        l.apply(cmds);
+        if !batch.is_empty() {
+            l.step(batch);
+        }
+    }
+}
+
+impl Loop {
+    /// Wait for work; take the next batch and the pending commands. None once stopped.
+    fn next(&mut self) -> Option<(Vec<Job>, Vec<Cmd>)> {
+        let (q, stats) = (&self.q, &self.stats);
         let mut batch: Vec<Job> = Vec::new();
-        let cmds = {
-            let mut g = q.state.lock().unwrap_or_else(|e| e.into_inner());
-            while g.jobs.is_empty() && g.cmds.is_empty() && !g.stop {
-                g = q.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+        let mut g = q.state.lock().unwrap_or_else(|e| e.into_inner());
+        while g.jobs.is_empty() && g.cmds.is_empty() && !g.stop {
+            g = q.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        if g.stop {
+            return None;
+        }
+        // Test-only fault: keep each prompt queued at least this long.
+        let hold = Duration::from_millis(pdmesh_core::faults::get("prefill.queue_hold_ms"));
+        let mut tokens = 0;
+        while let Some(j) = g.jobs.front() {
+            if j.reply.is_closed() {
+                g.jobs.pop_front();
+                stats.outcomes.inc("cancelled");
+                continue;
             }
-            if g.stop {
-                return;
-            }
-            // Test-only fault: keep each prompt queued at least this long.
-            let hold = Duration::from_millis(pdmesh_core::faults::get("prefill.queue_hold_ms"));
-            let mut tokens = 0;
-            while let Some(j) = g.jobs.front() {
-                if j.reply.is_closed() {
-                    g.jobs.pop_front();
-                    stats.outcomes.inc("cancelled");
+            let waited = j.enqueued.elapsed();
+            if waited < hold {
+                if batch.is_empty() && g.cmds.is_empty() {
+                    let (g2, _) = q.wake.wait_timeout(g, hold - waited).unwrap_or_else(|e| e.into_inner());
+                    g = g2;
                     continue;
                 }
-                let waited = j.enqueued.elapsed();
-                if waited < hold {
-                    if batch.is_empty() && g.cmds.is_empty() {
-                        let (g2, _) = q.wake.wait_timeout(g, hold - waited).unwrap_or_else(|e| e.into_inner());
-                        g = g2;
-                        continue;
-                    }
-                    break;
-                }
-                if !hold.is_zero() {
-                    j.queued.record(attr::QUEUE_HELD_MS, hold.as_millis() as i64);
-                }
-                // Always take one, however long; then fill up to the budgets.
-                if !batch.is_empty() && (batch.len() >= max_batch || tokens + j.prompt.len() > batch_tokens) {
-                    break;
-                }
-                tokens += j.prompt.len();
-                batch.push(g.jobs.pop_front().expect("front exists"));
+                break;
             }
-            stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
-            std::mem::take(&mut g.cmds)
-        };
+            if !hold.is_zero() {
+                j.queued.record(attr::QUEUE_HELD_MS, hold.as_millis() as i64);
+            }
+            if !joins(batch.len(), tokens, j.prompt.len(), self.max_batch, self.batch_tokens) {
+                break;
+            }
+            tokens += j.prompt.len();
+            batch.push(g.jobs.pop_front().expect("front exists"));
+        }
+        stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
+        Some((batch, std::mem::take(&mut g.cmds)))
+    }
+
+    fn apply(&mut self, cmds: Vec<Cmd>) {
         for c in cmds {
             match c {
                 Cmd::Export { seq, reply } => {
-                    let _ = reply.send(engine.export_kv(seq));
+                    let _ = reply.send(self.engine.export_kv(seq));
                 }
                 Cmd::Release { seq } => {
-                    if engine.release(seq).is_ok() {
-                        pinned.remove(&seq);
+                    if self.engine.release(seq).is_ok() {
+                        self.pinned.remove(&seq);
                     }
                 }
             }
         }
-        stats.kv_pinned.store(pinned.values().sum(), Ordering::Relaxed);
-        stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);
-        if batch.is_empty() {
-            continue;
-        }
-        stats.running.store(batch.len() as u32, Ordering::Relaxed);
-        let mut ids = Vec::new();
-        let mut admitted = Vec::new();
+        self.publish();
+    }
+
+    fn publish(&self) {
+        self.stats.kv_pinned.store(self.pinned.values().sum(), Ordering::Relaxed);
+        self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
+    }
+
+    /// One batched prompt forward: admit, run, deliver each first token.
+    fn step(&mut self, mut batch: Vec<Job>) {
+        self.stats.running.store(batch.len() as u32, Ordering::Relaxed);
         let n_batch = batch.len();
         let batch_tokens: usize = batch.iter().map(|j| j.prompt.len()).sum();
         let forwards: Vec<tracing::Span> = batch
             .iter_mut()
             .map(|job| {
                 job.queued = tracing::Span::none(); // ends the `queued` span
-                tracing::info_span!(parent: &job.span, span::PREFILL_FORWARD, { attr::BATCH_SIZE } = n_batch as i64, { attr::BATCH_TOKENS } = batch_tokens as i64, { attr::PROMPT_TOKENS } = job.prompt.len() as i64)
+                tracing::info_span!(parent: &job.span, span::PREFILL_FORWARD, { attr::BATCH_SIZE } = n_batch as i64,
+                    { attr::BATCH_TOKENS } = batch_tokens as i64, { attr::PROMPT_TOKENS } = job.prompt.len() as i64)
             })
             .collect();
+        let admitted = self.admit(batch);
+        if !admitted.is_empty() {
+            let ids: Vec<SeqId> = admitted.iter().map(|(id, _)| *id).collect();
+            let step = pdmesh_worker::step_span(span::PREFILL_STEP, forwards.iter(), n_batch);
+            let t = Instant::now();
+            let result = {
+                let _in = step.enter();
+                let kernel_spans = !step.is_disabled() && self.kernel_spans.covers(1);
+                self.engine.prefill_with(&ids, StepOptions { kernel_spans })
+            };
+            drop(step);
+            self.stats.step_seconds.observe(t.elapsed().as_secs_f64());
+            self.stats.steps.fetch_add(1, Ordering::Relaxed);
+            self.deliver(admitted, result);
+        }
+        drop(forwards);
+        self.stats.running.store(0, Ordering::Relaxed);
+        self.publish();
+    }
+
+    /// Add each prompt to the engine (only the prompt: the decode worker
+    /// holds the rest); a prompt that cannot be added is answered at once.
+    fn admit(&mut self, batch: Vec<Job>) -> Vec<(SeqId, Job)> {
+        let mut admitted = Vec::new();
         for job in batch {
-            // Only the prompt is run here; the decode worker holds the rest.
             let params = SamplingParams { max_tokens: 1, ..job.params.clone() };
-            match engine.add_sequence(job.prompt.clone(), params) {
-                Ok(id) => {
-                    ids.push(id);
-                    admitted.push((id, job));
-                }
+            match self.engine.add_sequence(job.prompt.clone(), params) {
+                Ok(id) => admitted.push((id, job)),
                 Err(e) => {
                     let _ = job.reply.send(Err(e));
                 }
             }
         }
-        stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);
-        if !ids.is_empty() {
-            let step = pdmesh_worker::step_span(span::PREFILL_STEP, forwards.iter(), n_batch);
-            let t = Instant::now();
-            let result = {
-                let _in = step.enter();
-                pdmesh_engine::model::set_kernel_spans(!step.is_disabled() && kernel_spans.covers(1));
-                let r = engine.prefill(&ids);
-                pdmesh_engine::model::set_kernel_spans(false);
-                r
-            };
-            drop(step);
-            stats.step_seconds.observe(t.elapsed().as_secs_f64());
-            stats.steps.fetch_add(1, Ordering::Relaxed);
-            let events = match result {
-                Ok(ev) => ev,
-                Err(e) => {
-                    for (id, job) in admitted.drain(..) {
-                        let _ = engine.release(id);
-                        let _ = job.reply.send(Err(EngineError::InvalidArgument(format!("prefill step failed: {e}"))));
-                    }
-                    Vec::new()
+        self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
+        admitted
+    }
+
+    /// Answer each admitted prompt: its first token and pinned blocks, or the error.
+    fn deliver(&mut self, admitted: Vec<(SeqId, Job)>, result: Result<Vec<TokenEvent>, EngineError>) {
+        let events = match result {
+            Ok(ev) => ev,
+            Err(e) => {
+                for (id, job) in admitted {
+                    let _ = self.engine.release(id);
+                    let _ = job.reply.send(Err(EngineError::InvalidArgument(format!("prefill step failed: {e}"))));
                 }
+                return;
+            }
+        };
+        for (id, job) in admitted {
+            self.stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+            let n_tokens = job.prompt.len();
+            let engine = &self.engine;
+            let blocks = engine.blocks(id).map(|b| b[..engine.kv.layout.blocks_for(n_tokens)].to_vec());
+            let r = match (events.iter().find(|e| e.seq == id), blocks) {
+                (Some(ev), Ok(blocks)) => Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens }),
+                (None, _) => Err(EngineError::InvalidArgument("prefill produced no token".into())),
+                (_, Err(e)) => Err(e),
             };
-            for (id, job) in admitted {
-                stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-                let n_tokens = job.prompt.len();
-                let blocks = engine.blocks(id).map(|b| b[..engine.kv.layout.blocks_for(n_tokens)].to_vec());
-                let r = match (events.iter().find(|e| e.seq == id), blocks) {
-                    (Some(ev), Ok(blocks)) => Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens }),
-                    (None, _) => Err(EngineError::InvalidArgument("prefill produced no token".into())),
-                    (_, Err(e)) => Err(e),
-                };
-                match r {
-                    Ok(p) => {
-                        pinned.insert(id, engine.blocks(id).map(|b| b.len() as u32).unwrap_or(0));
-                        // Undelivered, the guard is dropped and queues its own release.
-                        let _ = job.reply.send(Ok(Pinned { q: q.clone(), p }));
-                    }
-                    Err(e) => {
-                        let _ = engine.release(id);
-                        let _ = job.reply.send(Err(e));
-                    }
+            match r {
+                Ok(p) => {
+                    self.pinned.insert(id, engine.blocks(id).map(|b| b.len() as u32).unwrap_or(0));
+                    // Undelivered, the guard is dropped and queues its own release.
+                    let _ = job.reply.send(Ok(Pinned { q: self.q.clone(), p }));
+                }
+                Err(e) => {
+                    let _ = self.engine.release(id);
+                    let _ = job.reply.send(Err(e));
                 }
             }
         }
-        drop(forwards);
-        stats.running.store(0, Ordering::Relaxed);
-        stats.kv_pinned.store(pinned.values().sum(), Ordering::Relaxed);
-        stats.kv_used.store(engine.kv.used() as u32, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::joins;
+
+    #[test]
+    fn the_first_prompt_always_goes_however_long() {
+        assert!(joins(0, 0, 100_000, 32, 2048));
+    }
+
+    #[test]
+    fn later_prompts_fill_up_to_both_budgets() {
+        assert!(joins(1, 1000, 1048, 32, 2048));
+        assert!(!joins(1, 1000, 1049, 32, 2048), "token budget");
+        assert!(!joins(32, 32, 1, 32, 2048), "batch size");
+        assert!(joins(31, 31, 1, 32, 2048));
     }
 }

@@ -134,8 +134,7 @@ pub async fn serve(
         admin,
         listener,
         shutdown,
-        agent,
-        broker,
+        pdmesh_worker::BrokerLink { agent, broker },
     )
     .await
 }

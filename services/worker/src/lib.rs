@@ -249,8 +249,14 @@ pub enum ServeError {
     Setup(String),
 }
 
+/// A worker's transfer endpoint and the kvbroker(s) it registers it with.
+pub struct BrokerLink {
+    pub agent: kpb::Agent,
+    pub broker: Peers,
+}
+
 /// Serve a worker's `routes` until `shutdown`. gRPC health, `/health` and
-/// the registry entry follow the broker registration of `agent`: the
+/// the registry entry follow the broker registration of `link.agent`: the
 /// worker is in service only while the kvbroker knows how to reach it.
 pub async fn serve_worker(
     service: &'static str,
@@ -260,15 +266,14 @@ pub async fn serve_worker(
     admin: pdmesh_core::serve::Admin,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
-    agent: kpb::Agent,
-    broker_peers: Peers,
+    link: BrokerLink,
 ) -> Result<(), ServeError> {
     use pdmesh_core::serve::Announced;
     use std::sync::{Arc, Mutex};
     let (routes, health) = pdmesh_core::grpc::standard_routes(routes, grpc_name).await.map_err(ServeError::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("local address: {e}")))?;
     let (ready_tx, mut ready_rx) = tokio::sync::watch::channel(false);
-    let registrar = tokio::spawn(keep_registered(broker_peers, agent, Duration::from_secs(2), ready_tx));
+    let registrar = tokio::spawn(keep_registered(link.broker, link.agent, Duration::from_secs(2), ready_tx));
     let announced: Arc<Mutex<Option<Announced>>> = Arc::default();
     let gate = async {
         let mut was = false;
