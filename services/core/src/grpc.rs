@@ -37,6 +37,24 @@ pub fn lazy_channel(addr: &str) -> Result<Channel, String> {
         .connect_lazy())
 }
 
+/// Lazily connecting channels by address, made once and shared: the one
+/// channel cache of every client in the mesh.
+#[derive(Default)]
+pub struct Channels(std::sync::Mutex<std::collections::HashMap<String, Channel>>);
+
+impl Channels {
+    /// The cached channel to `addr`, or a new [`lazy_channel`].
+    pub fn get(&self, addr: &str) -> Result<Channel, String> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = lazy_channel(addr)?;
+        m.insert(addr.into(), c.clone());
+        Ok(c)
+    }
+}
+
 /// The deadline the caller set (`grpc-timeout` header), if any.
 pub fn request_timeout<T>(req: &tonic::Request<T>) -> Option<Duration> {
     let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;

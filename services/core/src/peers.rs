@@ -3,14 +3,14 @@
 //! used within a poll period, dead ones dropped). Channels are cached per
 //! address and connect lazily.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tonic::transport::Channel;
 
 use crate::args::CommonArgs;
 use crate::discovery::{watch, Discovery, FileRegistry, Instance};
+use crate::grpc::Channels;
 
 /// How often a registry-backed peer set is re-read.
 pub const POLL: Duration = Duration::from_millis(300);
@@ -21,7 +21,7 @@ pub struct Peers {
     rx: tokio::sync::watch::Receiver<Vec<Instance>>,
     // Keeps a fixed set's sender alive.
     _fixed: Option<Arc<tokio::sync::watch::Sender<Vec<Instance>>>>,
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    channels: Arc<Channels>,
 }
 
 impl Peers {
@@ -83,13 +83,7 @@ impl Peers {
 
     /// A (cached, lazily connecting) channel to `inst`.
     pub fn channel(&self, inst: &Instance) -> Result<Channel, String> {
-        let mut m = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = m.get(&inst.grpc_addr) {
-            return Ok(c.clone());
-        }
-        let c = crate::grpc::lazy_channel(&inst.grpc_addr)?;
-        m.insert(inst.grpc_addr.clone(), c.clone());
-        Ok(c)
+        self.channels.get(&inst.grpc_addr)
     }
 
     /// The first live instance and a channel to it, waiting up to `timeout`.

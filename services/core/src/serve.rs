@@ -15,6 +15,8 @@ use crate::admin::{serve_admin, AdminState};
 use crate::args::CommonArgs;
 use crate::discovery::{Discovery, DiscoveryError, FileRegistry, Instance, Registration};
 
+/// Why a service could not start, or stopped serving: the one start-up
+/// error type of every service binary (request errors have their own).
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("cannot listen on {addr}: {source}")]
@@ -23,6 +25,14 @@ pub enum ServeError {
     Discovery(#[from] DiscoveryError),
     #[error("tracing: {0}")]
     Telemetry(#[from] crate::telemetry::TelemetryError),
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    #[error("HTTP server: {0}")]
+    Http(#[from] std::io::Error),
+    /// Bad configuration or a component that failed to load (the model,
+    /// the NIXL library, reflection): the message says which.
+    #[error("{0}")]
+    Setup(String),
 }
 
 /// The running admin server (if `--http-listen` was given).
@@ -117,6 +127,46 @@ impl Announced {
 }
 
 pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// The gRPC side of a service: its routes and names.
+pub struct Grpc {
+    /// Short name in the registry: `router`, `tokenizer`, ...
+    pub service: &'static str,
+    /// Full gRPC name for health and reflection: `pdmesh.router.v1.Router`.
+    pub name: &'static str,
+    pub routes: tonic::service::Routes,
+}
+
+/// Serve `grpc` (plus health and reflection) on `listener` until
+/// `shutdown`. Once `ready` resolves, gRPC health turns SERVING and the
+/// instance is announced in the registry; on the way out it is withdrawn
+/// and the admin server stopped.
+pub async fn serve_grpc(
+    admin: Admin,
+    common: &CommonArgs,
+    grpc: Grpc,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    ready: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let (routes, health) = crate::grpc::standard_routes(grpc.routes, grpc.name).await.map_err(ServeError::Setup)?;
+    let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("local address: {e}")))?;
+    let server = crate::grpc::serve_routes(routes, listener, shutdown);
+    tokio::pin!(server);
+    let announced = tokio::select! {
+        r = &mut server => {
+            admin.shut_down(Announced::none())?;
+            return Ok(r?);
+        }
+        _ = ready => {
+            health.set(true).await;
+            admin.announce(grpc.service, common, grpc_addr).await?
+        }
+    };
+    let r = server.await;
+    admin.shut_down(announced)?;
+    Ok(r?)
+}
 
 /// A service binary's `main`: bind `listen`, run `serve` until Ctrl-C or
 /// SIGTERM, print errors as one line, return the exit code.

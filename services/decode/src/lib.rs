@@ -12,9 +12,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 
 use pdmesh_core::metrics::Text;
-use pdmesh_core::peers::Peers;
 use pdmesh_proto::decode::v1 as pb;
-use pdmesh_proto::kvbroker::v1 as kpb;
 use pdmesh_worker::ServeError;
 use tokio::net::TcpListener;
 
@@ -43,52 +41,25 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let nixl_lib = pdmesh_worker::transport::choose(&config.worker.transport).map_err(ServeError::Setup)?;
-    let transport = if nixl_lib.is_some() { "nixl" } else { "tcp" };
-    let (admin, engine, stats_slot) = pdmesh_worker::boot(
-        "decode",
-        serde_json::to_value(&config).unwrap_or_default(),
-        &config.worker.common,
-        &config.worker.engine,
-        transport,
-        render,
-    )
-    .await?;
+    let config_json = serde_json::to_value(&config).unwrap_or_default();
+    let w = pdmesh_worker::start_worker("decode", config_json, &config.worker, render).await?;
+    let mut agent = w.agent();
+    let pdmesh_worker::Started { admin, engine, stats, worker_id, nixl, broker } = w;
     let layout = engine.kv.layout;
-    let worker_id =
-        config.worker.common.instance_id.clone().unwrap_or_else(|| format!("decode-{}", std::process::id()));
-    let nixl = match nixl_lib {
-        Some(_) => {
-            let (addr, len) = engine.kv.arena();
-            Some(std::sync::Arc::new(
-                pdmesh_worker::transport::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?,
-            ))
-        }
-        None => None,
-    };
     let batcher = Batcher::start(engine, config.worker.engine.max_batch, config.worker.engine.trace_kernel_steps);
-    let _ = stats_slot.set(batcher.stats.clone());
-    let broker =
-        Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
+    let _ = stats.set(batcher.stats.clone());
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;
-    let mut agent = kpb::Agent {
-        worker_id: worker_id.clone(),
-        transport: kpb::Transport::Tcp as i32,
-        address: config.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string()),
-        layout: Some(pdmesh_worker::layout_to_wire(&layout)),
-        block_bytes: layout.block_bytes() as u64,
-        ..Default::default()
-    };
+    agent.address = config.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string());
+    agent.block_bytes = layout.block_bytes() as u64;
     // With NIXL, prefill workers write straight into the registered arena;
     // WriteKv (tcp) stays available for those without it.
     let stop_progress = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(n) = &nixl {
-        agent.transport = kpb::Transport::Nixl as i32;
         agent.nixl_metadata = n.metadata().map_err(ServeError::Setup)?;
         agent.arena_addr = n.arena_addr as u64;
         agent.arena_len = n.arena_len as u64;
         let st = batcher.stats.clone();
-        pdmesh_worker::transport::spawn_progress(
+        pdmesh_worker::kv::spawn_progress(
             n.clone(),
             move || st.awaiting_kv.load(Ordering::Relaxed) > 0,
             stop_progress.clone(),
@@ -105,9 +76,7 @@ pub async fn serve(
     let routes =
         tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc).max_decoding_message_size(64 << 20));
     let r = pdmesh_worker::serve_worker(
-        "decode",
-        "pdmesh.decode.v1.Decode",
-        routes,
+        pdmesh_core::serve::Grpc { service: "decode", name: "pdmesh.decode.v1.Decode", routes },
         &config.worker.common,
         admin,
         listener,

@@ -34,16 +34,6 @@ use crate::config::Config;
 use crate::openai::{BadRequest, Kind};
 use pdmesh_core::vocab::{attr, rpc, span};
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Serve(#[from] ServeError),
-    #[error("HTTP server: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("{0}")]
-    Setup(String),
-}
-
 const STATUSES: &[&str] = &["200", "400", "404", "413", "429", "499", "503", "504", "500"];
 
 pub struct Gateway {
@@ -573,8 +563,8 @@ pub async fn serve(
     config: Config,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), Error> {
-    let router = Peers::resolve(&config.common, "router", &config.router_addr).map_err(Error::Setup)?;
+) -> Result<(), ServeError> {
+    let router = Peers::resolve(&config.common, "router", &config.router_addr).map_err(ServeError::Setup)?;
     let g = Arc::new(Gateway {
         config: config.clone(),
         router,

@@ -10,12 +10,6 @@ pub enum Error {
     UnknownAgent(String),
     #[error("invalid request: {0}")]
     Invalid(String),
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-    #[error(transparent)]
-    Serve(#[from] pdmesh_core::serve::ServeError),
-    #[error("reflection: {0}")]
-    Reflection(String),
 }
 
 impl From<Error> for tonic::Status {
@@ -25,7 +19,6 @@ impl From<Error> for tonic::Status {
             Error::Ticket(TicketError::NotFound(_)) | Error::UnknownAgent(_) => tonic::Status::not_found(msg),
             Error::Ticket(TicketError::WrongState(..)) => tonic::Status::failed_precondition(msg),
             Error::Ticket(TicketError::Invalid(_)) | Error::Invalid(_) => tonic::Status::invalid_argument(msg),
-            Error::Transport(_) | Error::Serve(_) | Error::Reflection(_) => tonic::Status::internal(msg),
         }
     }
 }

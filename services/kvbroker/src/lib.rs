@@ -13,12 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_core::admin::AdminState;
-use pdmesh_core::serve::{Admin, ServeError};
+use pdmesh_core::serve::{serve_grpc, Admin, Grpc, ServeError};
 use pdmesh_proto::kvbroker::v1 as pb;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::error::Error;
 use crate::tickets::Tickets;
 
 fn render_metrics(t: &Tickets, expired_total: u64) -> String {
@@ -50,7 +49,7 @@ pub async fn serve(
     config: Config,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), Error> {
+) -> Result<(), ServeError> {
     let tickets = Arc::new(Mutex::new(Tickets::new(Duration::from_secs(config.retention_s))));
     let expired_total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (t2, e2) = (tickets.clone(), expired_total.clone());
@@ -80,14 +79,8 @@ pub async fn serve(
     });
     let broker = server::Broker { tickets, agents: Mutex::new(Default::default()), max_lease_ms: config.max_lease_ms };
     let routes = tonic::service::Routes::new(pb::kv_broker_server::KvBrokerServer::new(broker));
-    let (routes, health) =
-        pdmesh_core::grpc::standard_routes(routes, "pdmesh.kvbroker.v1.KvBroker").await.map_err(Error::Reflection)?;
-    health.set(true).await;
-    let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
-    let announced = admin.announce("kvbroker", &config.common, grpc_addr).await?;
-    let result = pdmesh_core::grpc::serve_routes(routes, listener, shutdown).await;
-    admin.shut_down(announced)?;
+    let grpc = Grpc { service: "kvbroker", name: "pdmesh.kvbroker.v1.KvBroker", routes };
+    let r = serve_grpc(admin, &config.common, grpc, listener, shutdown, std::future::ready(())).await;
     let _ = stop_tx.send(true);
-    result?;
-    Ok(())
+    r
 }

@@ -11,7 +11,7 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use pdmesh_proto::decode::v1 as dpb;
-use pdmesh_worker::transport::{self, Nixl};
+use pdmesh_worker::kv::{self, Nixl};
 use serde_json::json;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
     #[command(flatten)]
-    pub transport: transport::TransportArgs,
+    pub transport: kv::TransportArgs,
     /// Internal: run as the receiving process.
     #[arg(long, hide = true)]
     pub target: bool,
@@ -72,7 +72,7 @@ async fn target(a: &Args) -> Result<(), String> {
     let n = a.tokens.div_ceil(16) * BLOCK_BYTES;
     let sink = std::sync::Arc::new(Sink { buf: std::sync::Mutex::new(vec![0u8; n]) });
     let addr = sink.buf.lock().map(|b| b.as_ptr() as usize).unwrap_or(0);
-    let nixl = match transport::choose(&a.transport)? {
+    let nixl = match kv::choose(&a.transport)? {
         Some(_) => Some(Nixl::start("kvbench-target", addr, n)?),
         None => None,
     };
@@ -97,7 +97,7 @@ async fn target(a: &Args) -> Result<(), String> {
     if let Some(x) = nixl {
         let x = std::sync::Arc::new(x);
         let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        transport::spawn_progress(x.clone(), || true, flag.clone());
+        kv::spawn_progress(x.clone(), || true, flag.clone());
         pdmesh_core::grpc::serve_routes(routes, l, stop).await.map_err(|e| e.to_string())?;
         flag.store(true, std::sync::atomic::Ordering::Relaxed);
     } else {
@@ -116,7 +116,7 @@ pub async fn run(a: Args) -> Result<(), String> {
         .args(["kvbench", "--target", "--tokens", &a.tokens.to_string()])
         .args([
             "--kv-transport",
-            if a.transport.kv_transport == transport::TransportChoice::Tcp { "tcp" } else { "auto" },
+            if a.transport.kv_transport == kv::TransportChoice::Tcp { "tcp" } else { "auto" },
         ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -144,7 +144,7 @@ pub async fn run(a: Args) -> Result<(), String> {
     report.insert("memcpy".into(), json!({ "median_s": memcpy, "gb_per_s": n as f64 / memcpy / 1e9 }));
 
     let md_hex = info["md"].as_str().unwrap_or_default();
-    if !md_hex.is_empty() && transport::choose(&a.transport)?.is_some() {
+    if !md_hex.is_empty() && kv::choose(&a.transport)?.is_some() {
         let md: Vec<u8> =
             (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
         let nixl = Nixl::start("kvbench-source", src.as_ptr() as usize, n)?;

@@ -162,6 +162,17 @@ impl Pinned {
     }
 }
 
+#[tonic::async_trait]
+impl pdmesh_worker::kv::send::KvSource for Pinned {
+    fn blocks(&self) -> &[u32] {
+        &self.p.blocks
+    }
+
+    async fn export_kv(&self) -> Result<KvBlob, tonic::Status> {
+        self.export().await.map_err(|e| pdmesh_worker::status(&e))
+    }
+}
+
 impl Drop for Pinned {
     fn drop(&mut self) {
         self.q.command(Cmd::Release { seq: self.p.seq });

@@ -6,17 +6,14 @@
 pub mod batcher;
 pub mod config;
 pub mod server;
-pub mod transport;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use pdmesh_core::metrics::Text;
-use pdmesh_core::peers::Peers;
-use pdmesh_proto::kvbroker::v1 as kpb;
 use pdmesh_proto::prefill::v1 as pb;
+use pdmesh_worker::kv::send::{KvTransport, NixlTransport, TcpTransport};
 use pdmesh_worker::ServeError;
 use tokio::net::TcpListener;
 
@@ -75,48 +72,19 @@ pub async fn serve(
     if config.chunk_bytes == 0 || config.chunk_bytes > 32 << 20 {
         return Err(ServeError::Setup(format!("--chunk-bytes must be 1..=33554432, got {}", config.chunk_bytes)));
     }
-    let nixl_lib = pdmesh_worker::transport::choose(&config.worker.transport).map_err(ServeError::Setup)?;
-    let transport = if nixl_lib.is_some() { "nixl" } else { "tcp" };
-    let (admin, engine, stats_slot) = pdmesh_worker::boot(
-        "prefill",
-        serde_json::to_value(&config).unwrap_or_default(),
-        &config.worker.common,
-        &config.worker.engine,
-        transport,
-        render,
-    )
-    .await?;
+    let config_json = serde_json::to_value(&config).unwrap_or_default();
+    let w = pdmesh_worker::start_worker("prefill", config_json, &config.worker, render).await?;
+    let agent = w.agent();
+    let pdmesh_worker::Started { admin, engine, stats, worker_id, nixl, broker } = w;
     let layout = engine.kv.layout;
-    let worker_id =
-        config.worker.common.instance_id.clone().unwrap_or_else(|| format!("prefill-{}", std::process::id()));
-    let nixl = match nixl_lib {
-        Some(_) => {
-            let (addr, len) = engine.kv.arena();
-            Some(Arc::new(pdmesh_worker::transport::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?))
-        }
-        None => None,
-    };
-    let batcher = Batcher::start(
-        engine,
-        config.worker.engine.max_batch,
-        config.batch_tokens,
-        config.worker.engine.trace_kernel_steps,
-    );
-    let _ = stats_slot.set(batcher.stats.clone());
-    let broker =
-        Peers::resolve(&config.worker.common, "kvbroker", &config.worker.kvbroker_addr).map_err(ServeError::Setup)?;
-    let agent = kpb::Agent {
-        worker_id: worker_id.clone(),
-        transport: if nixl.is_some() { kpb::Transport::Nixl } else { kpb::Transport::Tcp } as i32,
-        layout: Some(pdmesh_worker::layout_to_wire(&layout)),
-        ..Default::default()
-    };
-    let mut transports: Vec<Box<dyn transport::KvTransport>> = Vec::new();
+    let ek = &config.worker.engine;
+    let batcher = Batcher::start(engine, ek.max_batch, config.batch_tokens, ek.trace_kernel_steps);
+    let _ = stats.set(batcher.stats.clone());
+    let mut transports: Vec<Box<dyn KvTransport>> = Vec::new();
     if let Some(n) = nixl.clone() {
-        transports.push(Box::new(transport::NixlTransport { nixl: n, layout }));
+        transports.push(Box::new(NixlTransport { nixl: n, layout }));
     }
-    transports
-        .push(Box::new(transport::TcpTransport { chunk_bytes: config.chunk_bytes, channels: Default::default() }));
+    transports.push(Box::new(TcpTransport { chunk_bytes: config.chunk_bytes, channels: Default::default() }));
     let svc = server::Service {
         batcher,
         transports,
@@ -127,9 +95,7 @@ pub async fn serve(
     };
     let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));
     pdmesh_worker::serve_worker(
-        "prefill",
-        "pdmesh.prefill.v1.Prefill",
-        routes,
+        pdmesh_core::serve::Grpc { service: "prefill", name: "pdmesh.prefill.v1.Prefill", routes },
         &config.worker.common,
         admin,
         listener,

@@ -16,8 +16,8 @@ use tracing::Instrument;
 use pdmesh_core::telemetry;
 
 use crate::batcher::Batcher;
-use crate::transport::KvTransport;
 use pdmesh_core::vocab::{attr, rpc, span};
+use pdmesh_worker::kv::send::KvTransport;
 
 /// Least lease time left for a KV write to start, in milliseconds.
 const WRITE_MARGIN_MS: u64 = 500;

@@ -23,22 +23,12 @@ use std::time::Duration;
 use pdmesh_core::admin::AdminState;
 use pdmesh_core::metrics::Text;
 use pdmesh_core::peers::Peers;
-use pdmesh_core::serve::{Admin, ServeError};
+use pdmesh_core::serve::{serve_grpc, Admin, Grpc, ServeError};
 use pdmesh_proto::router::v1 as pb;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
 use crate::server::{Metrics, Router};
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Serve(#[from] ServeError),
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-    #[error("{0}")]
-    Setup(String),
-}
 
 fn render(m: &Metrics) -> String {
     let mut t = Text::default();
@@ -66,17 +56,17 @@ pub async fn serve(
     config: Config,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), Error> {
+) -> Result<(), ServeError> {
     let metrics = Arc::new(Metrics::default());
     let m2 = metrics.clone();
     let admin = AdminState::new("router", serde_json::json!({ "config": config }), Arc::new(move || render(&m2)));
     let admin = Admin::start(&config.common, admin).await?;
     let c = &config.common;
     let router = Arc::new(Router {
-        tokenizer: Peers::resolve(c, "tokenizer", &config.tokenizer_addr).map_err(Error::Setup)?,
-        prefill: Peers::resolve(c, "prefill", &config.prefill_addr).map_err(Error::Setup)?,
-        decode: Peers::resolve(c, "decode", &config.decode_addr).map_err(Error::Setup)?,
-        broker: Peers::resolve(c, "kvbroker", &config.kvbroker_addr).map_err(Error::Setup)?,
+        tokenizer: Peers::resolve(c, "tokenizer", &config.tokenizer_addr).map_err(ServeError::Setup)?,
+        prefill: Peers::resolve(c, "prefill", &config.prefill_addr).map_err(ServeError::Setup)?,
+        decode: Peers::resolve(c, "decode", &config.decode_addr).map_err(ServeError::Setup)?,
+        broker: Peers::resolve(c, "kvbroker", &config.kvbroker_addr).map_err(ServeError::Setup)?,
         timeout: Duration::from_secs(config.request_timeout_s.max(1)),
         retries: config.retries,
         max_stop: config.max_stop,
@@ -90,34 +80,18 @@ pub async fn serve(
     let poll = load::poll_loads(router.loads.clone(), workers, Duration::from_millis(250));
     let _poller = server::AbortOnDrop(tokio::spawn(poll));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
-    let (routes, health) =
-        pdmesh_core::grpc::standard_routes(routes, "pdmesh.router.v1.Router").await.map_err(Error::Setup)?;
-    let grpc_addr = listener.local_addr().map_err(|e| Error::Setup(e.to_string()))?;
+    let grpc = Grpc { service: "router", name: "pdmesh.router.v1.Router", routes };
     // Ready once every kind of worker is reachable.
-    let r2 = router.clone();
     let ready = async move {
         loop {
-            let all = !r2.tokenizer.instances().is_empty()
-                && !r2.prefill.instances().is_empty()
-                && !r2.decode.instances().is_empty()
-                && !r2.broker.instances().is_empty();
+            let all = [&router.tokenizer, &router.prefill, &router.decode, &router.broker]
+                .iter()
+                .all(|p| !p.instances().is_empty());
             if all {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     };
-    let server = pdmesh_core::grpc::serve_routes(routes, listener, shutdown);
-    tokio::pin!(server);
-    let announced = tokio::select! {
-        r = &mut server => { admin.shut_down(pdmesh_core::serve::Announced::none())?; r?; return Ok(()); }
-        _ = ready => {
-            health.set(true).await;
-            admin.announce("router", &config.common, grpc_addr).await?
-        }
-    };
-    let r = server.await;
-    admin.shut_down(announced)?;
-    r?;
-    Ok(())
+    serve_grpc(admin, &config.common, grpc, listener, shutdown, ready).await
 }

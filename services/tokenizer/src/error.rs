@@ -12,12 +12,6 @@ pub enum Error {
     NoInput,
     #[error("token id {0} is outside the vocabulary")]
     BadToken(u32),
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-    #[error(transparent)]
-    Serve(#[from] pdmesh_core::serve::ServeError),
-    #[error("reflection: {0}")]
-    Reflection(String),
 }
 
 impl Error {
@@ -28,9 +22,6 @@ impl Error {
             Error::TooLarge { .. } => "too_large",
             Error::NoInput => "no_input",
             Error::BadToken(_) => "bad_token",
-            Error::Transport(_) => "transport",
-            Error::Serve(_) => "serve",
-            Error::Reflection(_) => "reflection",
         }
     }
 }
@@ -41,9 +32,7 @@ impl From<Error> for tonic::Status {
         match &e {
             Error::Engine(inner) if inner.is_bad_input() => tonic::Status::invalid_argument(msg),
             Error::TooLarge { .. } | Error::NoInput | Error::BadToken(_) => tonic::Status::invalid_argument(msg),
-            Error::Engine(_) | Error::Transport(_) | Error::Serve(_) | Error::Reflection(_) => {
-                tonic::Status::internal(msg)
-            }
+            Error::Engine(_) => tonic::Status::internal(msg),
         }
     }
 }

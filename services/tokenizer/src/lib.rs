@@ -4,7 +4,7 @@
 //! metadata; stateless, so any number of replicas can run.
 //!
 //! ```no_run
-//! # async fn f(cfg: pdmesh_tokenizer::config::Config) -> Result<(), pdmesh_tokenizer::error::Error> {
+//! # async fn f(cfg: pdmesh_tokenizer::config::Config) -> Result<(), pdmesh_core::serve::ServeError> {
 //! let listener = tokio::net::TcpListener::bind(cfg.listen).await.expect("bind");
 //! pdmesh_tokenizer::serve(cfg, listener, std::future::pending()).await
 //! # }
@@ -19,14 +19,13 @@ use std::future::Future;
 use std::sync::Arc;
 
 use pdmesh_core::admin::AdminState;
-use pdmesh_core::serve::{Admin, ServeError};
+use pdmesh_core::serve::{serve_grpc, Admin, Grpc, ServeError};
 use pdmesh_engine::gguf::Gguf;
 use pdmesh_engine::{ModelConfig, Tokenizer};
 use pdmesh_proto::tokenizer::v1 as pb;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::error::Error;
 
 /// Load the tokenizer, then serve on `listener` until `shutdown` resolves.
 /// gRPC health and `/health` report ready only once the tokenizer is
@@ -36,7 +35,7 @@ pub async fn serve(
     config: Config,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), Error> {
+) -> Result<(), ServeError> {
     let metrics = Arc::new(metrics::Metrics::default());
     let m2 = metrics.clone();
     let admin =
@@ -44,9 +43,12 @@ pub async fn serve(
     let admin = Admin::start(&config.common, admin).await?;
     let path = match &config.model {
         Some(p) => p.clone(),
-        None => tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model).await.expect("fetch task")?,
+        None => tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model)
+            .await
+            .map_err(|e| ServeError::Setup(e.to_string()))?
+            .map_err(|e| ServeError::Setup(e.to_string()))?,
     };
-    let (tok, info) = tokio::task::spawn_blocking(move || -> Result<_, Error> {
+    let (tok, info) = tokio::task::spawn_blocking(move || -> Result<_, pdmesh_engine::EngineError> {
         let g = Gguf::open(&path)?;
         let tok = Tokenizer::from_gguf(&g)?;
         let mc = ModelConfig::from_gguf(&g)?;
@@ -60,16 +62,10 @@ pub async fn serve(
         Ok((tok, info))
     })
     .await
-    .expect("load task")?;
+    .map_err(|e| ServeError::Setup(e.to_string()))?
+    .map_err(|e| ServeError::Setup(e.to_string()))?;
     let svc = server::Service { tok: Arc::new(tok), info, max_input_bytes: config.max_input_bytes, metrics };
     let routes = tonic::service::Routes::new(pb::tokenizer_server::TokenizerServer::new(svc));
-    let (routes, health) =
-        pdmesh_core::grpc::standard_routes(routes, "pdmesh.tokenizer.v1.Tokenizer").await.map_err(Error::Reflection)?;
-    health.set(true).await;
-    let grpc_addr = listener.local_addr().map_err(|e| ServeError::Listen { addr: config.listen, source: e })?;
-    let announced = admin.announce("tokenizer", &config.common, grpc_addr).await?;
-    let result = pdmesh_core::grpc::serve_routes(routes, listener, shutdown).await;
-    admin.shut_down(announced)?;
-    result?;
-    Ok(())
+    let grpc = Grpc { service: "tokenizer", name: "pdmesh.tokenizer.v1.Tokenizer", routes };
+    serve_grpc(admin, &config.common, grpc, listener, shutdown, std::future::ready(())).await
 }

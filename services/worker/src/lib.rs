@@ -2,14 +2,16 @@
 //! the one mapping of engine errors to gRPC statuses, conversions between
 //! wire and engine types, and the kvbroker client.
 
-pub mod transport;
+pub mod kv;
+
+pub use kv::{layout_from_wire, layout_to_wire};
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use pdmesh_core::peers::Peers;
 use pdmesh_core::vocab::attr;
-use pdmesh_engine::{Engine, EngineError, EngineOptions, KvLayout, Model, SamplingParams};
+use pdmesh_engine::{Engine, EngineError, EngineOptions, Model, SamplingParams};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use tonic::Status;
@@ -23,7 +25,7 @@ pub struct WorkerArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
-    pub transport: transport::TransportArgs,
+    pub transport: kv::TransportArgs,
     #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
 }
@@ -177,28 +179,6 @@ pub fn sampling(
     }
 }
 
-pub fn layout_to_wire(l: &KvLayout) -> common::KvLayout {
-    common::KvLayout {
-        n_layers: l.n_layers as u32,
-        n_kv_heads: l.n_kv_heads as u32,
-        head_dim: l.head_dim as u32,
-        block_size: l.block_size as u32,
-        dtype: "f16".into(),
-    }
-}
-
-pub fn layout_from_wire(l: &common::KvLayout) -> Result<KvLayout, Status> {
-    if l.dtype != "f16" {
-        return Err(Status::failed_precondition(format!("KV dtype {:?} is not supported (f16 only)", l.dtype)));
-    }
-    Ok(KvLayout {
-        n_layers: l.n_layers as usize,
-        n_kv_heads: l.n_kv_heads as usize,
-        head_dim: l.head_dim as usize,
-        block_size: l.block_size as usize,
-    })
-}
-
 pub type BrokerClient = kpb::kv_broker_client::KvBrokerClient<tonic::transport::Channel>;
 
 /// A client of a live kvbroker (waits up to `timeout` for one to appear).
@@ -237,17 +217,7 @@ pub async fn keep_registered(
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-    #[error(transparent)]
-    Serve(#[from] pdmesh_core::serve::ServeError),
-    #[error("{0}")]
-    Setup(String),
-}
+pub use pdmesh_core::serve::ServeError;
 
 /// A worker's transfer endpoint and the kvbroker(s) it registers it with.
 pub struct BrokerLink {
@@ -259,9 +229,7 @@ pub struct BrokerLink {
 /// the registry entry follow the broker registration of `link.agent`: the
 /// worker is in service only while the kvbroker knows how to reach it.
 pub async fn serve_worker(
-    service: &'static str,
-    grpc_name: &'static str,
-    routes: tonic::service::Routes,
+    grpc: pdmesh_core::serve::Grpc,
     common: &pdmesh_core::args::CommonArgs,
     admin: pdmesh_core::serve::Admin,
     listener: tokio::net::TcpListener,
@@ -270,7 +238,9 @@ pub async fn serve_worker(
 ) -> Result<(), ServeError> {
     use pdmesh_core::serve::Announced;
     use std::sync::{Arc, Mutex};
-    let (routes, health) = pdmesh_core::grpc::standard_routes(routes, grpc_name).await.map_err(ServeError::Setup)?;
+    let service = grpc.service;
+    let (routes, health) =
+        pdmesh_core::grpc::standard_routes(grpc.routes, grpc.name).await.map_err(ServeError::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("local address: {e}")))?;
     let (ready_tx, mut ready_rx) = tokio::sync::watch::channel(false);
     let registrar = tokio::spawn(keep_registered(link.broker, link.agent, Duration::from_secs(2), ready_tx));
@@ -335,7 +305,59 @@ pub async fn boot<T: Send + Sync + 'static>(
     );
     let admin = pdmesh_core::serve::Admin::start(common, admin).await?;
     let args = engine.clone();
-    let engine =
-        tokio::task::spawn_blocking(move || args.load()).await.map_err(|e| ServeError::Setup(e.to_string()))??;
+    let engine = tokio::task::spawn_blocking(move || args.load())
+        .await
+        .map_err(|e| ServeError::Setup(e.to_string()))?
+        .map_err(|e| ServeError::Setup(format!("engine: {e}")))?;
     Ok((admin, engine, slot))
+}
+
+/// A worker after start-up: admin endpoints up (not ready yet), engine
+/// loaded, its KV arena registered with NIXL when that transport was
+/// chosen, and the kvbroker(s) it will register with.
+pub struct Started<T> {
+    pub admin: pdmesh_core::serve::Admin,
+    pub engine: Engine,
+    /// Where the worker's stats go once its batcher runs (/metrics reads them).
+    pub stats: StatsSlot<T>,
+    pub worker_id: String,
+    pub nixl: Option<std::sync::Arc<kv::Nixl>>,
+    pub broker: Peers,
+}
+
+/// The start-up every worker shares: choose the KV transport, boot the
+/// admin endpoints and the engine, start NIXL on the arena, find the broker.
+pub async fn start_worker<T: Send + Sync + 'static>(
+    service: &'static str,
+    config: serde_json::Value,
+    args: &WorkerArgs,
+    render: fn(&T) -> String,
+) -> Result<Started<T>, ServeError> {
+    let nixl_lib = kv::choose(&args.transport).map_err(ServeError::Setup)?;
+    let name = if nixl_lib.is_some() { "nixl" } else { "tcp" };
+    let (admin, engine, stats) = boot(service, config, &args.common, &args.engine, name, render).await?;
+    let worker_id = args.common.instance_id.clone().unwrap_or_else(|| format!("{service}-{}", std::process::id()));
+    let nixl = match nixl_lib {
+        Some(_) => {
+            let (addr, len) = engine.kv.arena();
+            Some(std::sync::Arc::new(kv::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?))
+        }
+        None => None,
+    };
+    let broker = Peers::resolve(&args.common, "kvbroker", &args.kvbroker_addr).map_err(ServeError::Setup)?;
+    Ok(Started { admin, engine, stats, worker_id, nixl, broker })
+}
+
+impl<T> Started<T> {
+    /// The worker's transfer endpoint as the broker will know it: id,
+    /// transport and KV layout (decode adds where to write).
+    pub fn agent(&self) -> kpb::Agent {
+        let transport = if self.nixl.is_some() { kpb::Transport::Nixl } else { kpb::Transport::Tcp };
+        kpb::Agent {
+            worker_id: self.worker_id.clone(),
+            transport: transport as i32,
+            layout: Some(layout_to_wire(&self.engine.kv.layout)),
+            ..Default::default()
+        }
+    }
 }

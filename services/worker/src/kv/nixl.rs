@@ -1,8 +1,6 @@
-//! KV transports. `nixl`: NVIDIA NIXL (UCX backend) through `nixl-sys`;
-//! each worker registers its whole KV arena once at start, and a prefill
-//! WRITEs its pinned blocks straight into the decode worker's reserved
-//! blocks. `tcp`: the prefill streams the blocks' bytes to the decode
-//! worker's `WriteKv` RPC. A transfer uses NIXL when both ends have it.
+//! NIXL (UCX backend) through `nixl-sys`: finding and loading the library,
+//! the agent with this worker's KV arena registered once, one-sided WRITEs
+//! of blocks into another worker's arena, and the progress poller.
 //!
 //! `nixl-sys` is built with `stub-api`: every NIXL call goes through a stub
 //! that dlopens `libnixl_capi.so` on first use and *aborts the process* if
@@ -19,30 +17,6 @@ use nixl_sys::{
     Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
     ThreadSync, XferDescList, XferOp, XferStatus,
 };
-
-/// Which transport a worker offers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportChoice {
-    /// NIXL if its library loads, else TCP.
-    Auto,
-    /// NIXL or fail at start.
-    Nixl,
-    /// TCP only.
-    Tcp,
-}
-
-/// Transport flags of a worker (each also an environment variable).
-#[derive(clap::Args, Debug, Clone, serde::Serialize)]
-pub struct TransportArgs {
-    /// KV transport: auto (NIXL when its library loads, else tcp), nixl, tcp.
-    #[arg(long, env = "PDMESH_KV_TRANSPORT", value_enum, default_value = "auto")]
-    pub kv_transport: TransportChoice,
-    /// Path of libnixl_capi.so (default: found on LD_LIBRARY_PATH, else in
-    /// the `nixl-cu12` wheel of the Python at $PDMESH_PYTHON or python3).
-    #[arg(long, env = "PDMESH_NIXL_LIB")]
-    pub nixl_lib: Option<PathBuf>,
-}
 
 /// Where `libnixl_capi.so` is, if anywhere.
 pub fn find_library(explicit: Option<&Path>) -> Option<PathBuf> {
@@ -83,29 +57,6 @@ pub fn load_library(path: &Path) -> Result<(), String> {
         Ok(lib)
     });
     r.as_ref().map(|_| ()).map_err(Clone::clone)
-}
-
-/// Decide the transport at start: `Some(library)` for NIXL, `None` for TCP.
-pub fn choose(args: &TransportArgs) -> Result<Option<PathBuf>, String> {
-    if args.kv_transport == TransportChoice::Tcp {
-        return Ok(None);
-    }
-    let found = find_library(args.nixl_lib.as_deref());
-    let loaded = match &found {
-        Some(p) => load_library(p).map(|_| p.clone()),
-        None => Err("libnixl_capi.so not found (pip install nixl-cu12==1.5.1, or give --nixl-lib)".into()),
-    };
-    match (args.kv_transport, loaded) {
-        (_, Ok(p)) => {
-            eprintln!("KV transport: nixl ({})", p.display());
-            Ok(Some(p))
-        }
-        (TransportChoice::Nixl, Err(e)) => Err(format!("--kv-transport nixl: {e}")),
-        (_, Err(e)) => {
-            eprintln!("KV transport: tcp ({e})");
-            Ok(None)
-        }
-    }
 }
 
 #[derive(Debug)]

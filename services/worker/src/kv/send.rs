@@ -1,21 +1,29 @@
 //! How a prefill worker moves a prompt's KV into the blocks a decode worker
-//! reserved: [`KvTransport`], with NIXL (one-sided WRITE from the pinned
+//! reserved: [`KvTransport`], with NIXL (one-sided WRITE from the source
 //! blocks, arena registered once) and TCP (a copy streamed to the decode's
 //! `WriteKv`). The prefill uses the first transport that reaches the decode.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use pdmesh_engine::KvLayout;
+use pdmesh_core::grpc::Channels;
+use pdmesh_core::vocab::rpc;
+use pdmesh_engine::{KvBlob, KvLayout};
 use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_proto::kvbroker::v1 as kpb;
-use pdmesh_worker::transport::Nixl;
-use tonic::transport::Channel;
 use tonic::Status;
 
-use crate::batcher::Pinned;
-use pdmesh_core::vocab::rpc;
+use super::{layout_to_wire, Nixl};
+
+/// The prompt KV a transfer moves: blocks held (pinned) in this worker's
+/// arena for as long as the source lives.
+#[tonic::async_trait]
+pub trait KvSource: Sync {
+    /// The source blocks in this worker's arena, in prompt order.
+    fn blocks(&self) -> &[u32];
+    /// A copy of the prompt's KV (for transports that copy).
+    async fn export_kv(&self) -> Result<KvBlob, Status>;
+}
 
 /// Longest a NIXL write may run (the decode quarantines abandoned blocks for 2 s).
 pub const MAX_WRITE_MS: u64 = 1_500;
@@ -28,7 +36,7 @@ pub trait KvTransport: Send + Sync {
     fn reaches(&self, agent: &kpb::Agent) -> bool;
     /// Write the pinned prompt KV into the ticket's destination blocks;
     /// returns the bytes moved.
-    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status>;
+    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, src: &dyn KvSource) -> Result<u64, Status>;
     /// Drop cached state about a worker after a failed write.
     fn forget(&self, _worker: &str) {}
 }
@@ -46,13 +54,13 @@ impl KvTransport for NixlTransport {
 
     fn reaches(&self, agent: &kpb::Agent) -> bool {
         agent.transport == kpb::Transport::Nixl as i32
-            && agent.layout.as_ref() == Some(&pdmesh_worker::layout_to_wire(&self.layout))
+            && agent.layout.as_ref() == Some(&layout_to_wire(&self.layout))
             && !agent.nixl_metadata.is_empty()
     }
 
     /// Bounded by the ticket's lease and by [`MAX_WRITE_MS`].
-    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status> {
-        let n = pinned.p.blocks.len();
+    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, src: &dyn KvSource) -> Result<u64, Status> {
+        let n = src.blocks().len();
         if ticket.dest_blocks.len() < n {
             return Err(Status::failed_precondition(format!(
                 "decode reserved {} blocks, the prompt fills {n}",
@@ -67,7 +75,7 @@ impl KvTransport for NixlTransport {
             )));
         }
         let nixl = self.nixl.clone();
-        let (src, dst) = (pinned.p.blocks.clone(), ticket.dest_blocks[..n].to_vec());
+        let (src, dst) = (src.blocks().to_vec(), ticket.dest_blocks[..n].to_vec());
         let (worker, md, addr, len) = (
             ticket.dest_worker.clone(),
             agent.nixl_metadata.clone(),
@@ -93,19 +101,7 @@ impl KvTransport for NixlTransport {
 pub struct TcpTransport {
     pub chunk_bytes: usize,
     /// Channels to decode workers, by address.
-    pub channels: Mutex<HashMap<String, Channel>>,
-}
-
-impl TcpTransport {
-    fn channel(&self, addr: &str) -> Result<Channel, Status> {
-        let mut m = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = m.get(addr) {
-            return Ok(c.clone());
-        }
-        let c = pdmesh_core::grpc::lazy_channel(addr).map_err(Status::internal)?;
-        m.insert(addr.into(), c.clone());
-        Ok(c)
-    }
+    pub channels: Channels,
 }
 
 #[tonic::async_trait]
@@ -119,9 +115,9 @@ impl KvTransport for TcpTransport {
     }
 
     /// A copy of the blocks, streamed in `chunk_bytes` messages.
-    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, pinned: &Pinned) -> Result<u64, Status> {
-        let blob = pinned.export().await.map_err(|e| pdmesh_worker::status(&e))?;
-        let layout = pdmesh_worker::layout_to_wire(&blob.layout);
+    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, src: &dyn KvSource) -> Result<u64, Status> {
+        let blob = src.export_kv().await?;
+        let layout = layout_to_wire(&blob.layout);
         let chunks: Vec<dpb::KvChunk> = blob
             .bytes
             .chunks(self.chunk_bytes.max(1))
@@ -137,7 +133,8 @@ impl KvTransport for TcpTransport {
             })
             .collect();
         let mut client =
-            dpb::decode_client::DecodeClient::new(self.channel(&agent.address)?).max_encoding_message_size(64 << 20);
+            dpb::decode_client::DecodeClient::new(self.channels.get(&agent.address).map_err(Status::internal)?)
+                .max_encoding_message_size(64 << 20);
         let (req, span) = pdmesh_core::telemetry::client_request(rpc::DECODE_WRITE_KV, tokio_stream::iter(chunks));
         let r = tracing::Instrument::instrument(client.write_kv(req), span.clone()).await;
         Ok(pdmesh_core::telemetry::finish(&span, r)?.into_inner().bytes)
