@@ -2,7 +2,9 @@
 //!
 //! - `GET /health`: 200 `ok` when the service is ready, 503 `not ready`
 //!   otherwise (what Consul's HTTP check and `meshctl up` wait on);
-//! - `GET /metrics`: Prometheus text (`pdmesh_*`);
+//! - `GET /metrics`: Prometheus text (`pdmesh_*`), or OpenMetrics with
+//!   trace-id exemplars on the latency histograms when the scraper's
+//!   `Accept` asks for `application/openmetrics-text`;
 //! - `GET /statusz`: JSON with the effective configuration, build, pid and
 //!   start time — "is the knob live in the running process?" is one call.
 
@@ -17,8 +19,10 @@ use axum::routing::get;
 use axum::Router;
 use tokio::net::TcpListener;
 
-/// Renders the service's current metrics as Prometheus text.
-pub type MetricsFn = Arc<dyn Fn() -> String + Send + Sync>;
+use crate::metrics::Format;
+
+/// Renders the service's current metrics in the format asked for.
+pub type MetricsFn = Arc<dyn Fn(Format) -> String + Send + Sync>;
 
 /// What the admin endpoints report. Cheap to clone; share it with the service.
 #[derive(Clone)]
@@ -100,8 +104,12 @@ async fn health(axum::extract::State(s): axum::extract::State<AdminState>) -> im
     }
 }
 
-async fn metrics(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], (s.metrics)())
+async fn metrics(
+    axum::extract::State(s): axum::extract::State<AdminState>,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
+    let format = Format::from_accept(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
+    ([(header::CONTENT_TYPE, format.content_type())], (s.metrics)(format))
 }
 
 async fn set_fault(axum::extract::Path((name, value)): axum::extract::Path<(String, u64)>) -> impl IntoResponse {

@@ -9,20 +9,26 @@ use std::time::Duration;
 /// `GET http://addr/path`: (status code, body). Bounded by `timeout` for
 /// connect, write and each read.
 pub fn get(addr: &str, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
-    request("GET", addr, path, timeout)
+    request("GET", addr, path, "", timeout)
+}
+
+/// `GET http://addr/path` asking for OpenMetrics (what Prometheus asks for:
+/// histograms then carry trace-id exemplars).
+pub fn get_openmetrics(addr: &str, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+    request("GET", addr, path, "Accept: application/openmetrics-text; version=1.0.0\r\n", timeout)
 }
 
 /// `PUT http://addr/path` with an empty body: (status code, body).
 pub fn put(addr: &str, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
-    request("PUT", addr, path, timeout)
+    request("PUT", addr, path, "", timeout)
 }
 
-fn request(method: &str, addr: &str, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+fn request(method: &str, addr: &str, path: &str, headers: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
     let sa = addr.to_socket_addrs()?.next().ok_or_else(|| std::io::Error::other(format!("cannot resolve {addr}")))?;
     let mut s = TcpStream::connect_timeout(&sa, timeout)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n")?;
     let mut resp = Vec::new();
     s.read_to_end(&mut resp)?;
     let resp = String::from_utf8_lossy(&resp);

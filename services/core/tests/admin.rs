@@ -24,7 +24,7 @@ async fn health_follows_readiness_and_statusz_shows_config() {
     let state = AdminState::new(
         "tokenizer",
         serde_json::json!({"max_input_bytes": 4096}),
-        Arc::new(move || format!("pdmesh_requests_total {}\n", c2.load(Ordering::Relaxed))),
+        Arc::new(move |_| format!("pdmesh_requests_total {}\n", c2.load(Ordering::Relaxed))),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -10,7 +10,7 @@ use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
+use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
@@ -71,7 +71,7 @@ impl Batcher {
             steps: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
             step_seconds: Histogram::latency(),
-            outcomes: Outcomes::new(GRPC_OUTCOMES),
+            outcomes: Outcomes::default(),
         });
         let (tx, rx) = mpsc::channel();
         let s = stats.clone();
@@ -258,7 +258,7 @@ impl Loop {
                     }
                     Err(e) => {
                         let _ = events.send(Err(pdmesh_worker::status(&e)));
-                        self.stats.outcomes.inc("internal");
+                        self.stats.outcomes.inc(Outcome::Internal);
                         let _ = self.engine.release(seq);
                     }
                 }
@@ -293,12 +293,12 @@ impl Loop {
             };
             alive = s.events.send(Ok(fin)).is_ok();
             let _ = self.engine.release(s.id);
-            self.stats.outcomes.inc(if alive { "ok" } else { "cancelled" });
+            self.stats.outcomes.inc(if alive { Outcome::Ok } else { Outcome::Cancelled });
             return false;
         }
         if !alive {
             let _ = self.engine.release(s.id);
-            self.stats.outcomes.inc("cancelled");
+            self.stats.outcomes.inc(Outcome::Cancelled);
         }
         alive
     }
@@ -310,7 +310,7 @@ impl Loop {
         let mut keep = |s: &Seq| {
             if s.events.is_closed() {
                 let _ = engine.release(s.id);
-                stats.outcomes.inc("cancelled");
+                stats.outcomes.inc(Outcome::Cancelled);
                 false
             } else {
                 true
@@ -329,6 +329,7 @@ impl Loop {
             s.batch_max = s.batch_max.max(n);
         }
         let span = pdmesh_worker::step_span(span::DECODE_STEP, self.running.iter().map(|s| &s.span), ids.len());
+        let trace_id = pdmesh_core::telemetry::trace_id(&span);
         let kernels = !span.is_disabled() && self.running.iter().any(|s| self.kernel_spans.covers(s.n_generated + 1));
         let t = Instant::now();
         let result = {
@@ -336,7 +337,7 @@ impl Loop {
             self.engine.decode_with(&ids, StepOptions { kernel_spans: kernels })
         };
         drop(span);
-        self.stats.step_seconds.observe(t.elapsed().as_secs_f64());
+        self.stats.step_seconds.observe_traced(t.elapsed().as_secs_f64(), trace_id.as_deref());
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(events) => {
@@ -354,7 +355,7 @@ impl Loop {
                 for s in self.running.drain(..) {
                     let _ = s.events.send(Err(Status::internal(format!("decode step failed: {}", st.message()))));
                     let _ = self.engine.release(s.id);
-                    self.stats.outcomes.inc("internal");
+                    self.stats.outcomes.inc(Outcome::Internal);
                 }
             }
         }

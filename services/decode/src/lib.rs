@@ -11,7 +11,7 @@ pub mod server;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 
-use pdmesh_core::metrics::Text;
+use pdmesh_core::metrics::{Format, Text};
 use pdmesh_proto::decode::v1 as pb;
 use pdmesh_worker::ServeError;
 use tokio::net::TcpListener;
@@ -19,8 +19,8 @@ use tokio::net::TcpListener;
 use crate::batcher::{Batcher, Stats};
 use crate::config::Config;
 
-fn render(st: &Stats) -> String {
-    let mut t = Text::default();
+fn render(st: &Stats, f: Format) -> String {
+    let mut t = Text::new(f);
     let g = |a: &std::sync::atomic::AtomicU32| a.load(Ordering::Relaxed) as f64;
     t.gauge("pdmesh_decode_running", "Sequences in the running batch.", g(&st.running))
         .gauge("pdmesh_decode_queued", "Sequences with their KV, waiting for a batch slot.", g(&st.queued))
@@ -32,7 +32,7 @@ fn render(st: &Stats) -> String {
         .counter("pdmesh_decode_tokens_total", "Tokens streamed (including each first token).", st.tokens.load(Ordering::Relaxed))
         .histogram("pdmesh_decode_step_seconds", "Duration of one decode step.", &st.step_seconds);
     st.outcomes.render(&mut t, "pdmesh_decode_requests_total", "Finished decode requests by outcome.");
-    t.0
+    t.finish()
 }
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.

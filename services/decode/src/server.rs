@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pdmesh_core::metrics::outcome_of;
+use pdmesh_core::metrics::Outcome;
 use pdmesh_core::peers::Peers;
 use pdmesh_engine::{KvBlob, KvLayout, SeqId};
 use pdmesh_proto::decode::v1 as pb;
@@ -84,7 +84,7 @@ fn ticket_failure(t: &kpb::Ticket) -> Status {
 
 impl Service {
     fn count(&self, s: &Status) {
-        self.batcher.stats.outcomes.inc(outcome_of(s.code()));
+        self.batcher.stats.outcomes.inc(Outcome::of_code(s.code()));
     }
 
     /// Reserve, open the ticket and watch it (the `admit` span), then wait
@@ -207,7 +207,7 @@ impl Service {
                     }
                 }
             };
-            batcher.stats.outcomes.inc(outcome_of(end.code()));
+            batcher.stats.outcomes.inc(Outcome::of_code(end.code()));
             telemetry::mark_error(await_kv.span(), end.message());
             telemetry::record_status(&server, Some(&end));
             let _ = tx.send(Err(end));

@@ -19,7 +19,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use pdmesh_core::admin::AdminState;
-use pdmesh_core::metrics::{Histogram, Outcomes, Text};
+use pdmesh_core::metrics::{Format, Histogram, Outcome, Outcomes, Text};
 use pdmesh_core::peers::Peers;
 use pdmesh_core::serve::{Admin, ServeError};
 use pdmesh_proto::common::v1 as common;
@@ -34,28 +34,25 @@ use crate::config::Config;
 use crate::openai::{BadRequest, Kind};
 use pdmesh_core::vocab::{attr, rpc, span};
 
-const STATUSES: &[&str] = &["200", "400", "404", "413", "429", "499", "503", "504", "500"];
-
 pub struct Gateway {
     config: Config,
     router: Peers,
     in_flight: AtomicU64,
     next_id: AtomicU64,
-    by_status: Outcomes,
+    outcomes: Outcomes,
     e2e: Histogram,
 }
 
-fn render(g: &Gateway) -> String {
-    let mut t = Text::default();
+fn render(g: &Gateway, f: Format) -> String {
+    let mut t = Text::new(f);
     t.gauge("pdmesh_gateway_in_flight", "HTTP requests being served.", g.in_flight.load(Ordering::Relaxed) as f64)
         .histogram(
             "pdmesh_gateway_request_seconds",
             "Time from request arrival to the last byte handed to the client.",
             &g.e2e,
         );
-    let v: Vec<(&str, f64)> = STATUSES.iter().map(|s| (*s, g.by_status.get(s) as f64)).collect();
-    t.labelled("pdmesh_gateway_requests_total", "counter", "Finished API requests by HTTP status.", "status", &v);
-    t.0
+    g.outcomes.render(&mut t, "pdmesh_gateway_requests_total", "Finished API requests by outcome.");
+    t.finish()
 }
 
 fn now_s() -> u64 {
@@ -107,7 +104,9 @@ fn usage_json(f: &pb::Finished) -> Value {
 /// disconnects and the response is abandoned); its span ends then too.
 struct Tracked {
     g: Arc<Gateway>,
-    status: &'static str,
+    outcome: Outcome,
+    /// The request's trace, for the latency histogram's exemplar.
+    trace_id: Option<String>,
     t0: std::time::Instant,
     span: tracing::Span,
     /// How long data waited for the client to take it.
@@ -116,8 +115,8 @@ struct Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        self.g.by_status.inc(self.status);
-        self.g.e2e.observe(self.t0.elapsed().as_secs_f64());
+        self.g.outcomes.inc(self.outcome);
+        self.g.e2e.observe_traced(self.t0.elapsed().as_secs_f64(), self.trace_id.as_deref());
         self.g.in_flight.fetch_sub(1, Ordering::Relaxed);
         let end = std::time::Instant::now();
         self.span.record(attr::CLIENT_WAIT_MS, self.wait.total.as_secs_f64() * 1e3);
@@ -165,10 +164,6 @@ impl ClientWait {
     }
 }
 
-fn status_label(code: u16) -> &'static str {
-    STATUSES.iter().find(|s| s.parse::<u16>().ok() == Some(code)).copied().unwrap_or("500")
-}
-
 async fn completions(State(g): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
     handle(g, headers, body, Kind::Completion).await
 }
@@ -203,7 +198,8 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
     let trace_id = telemetry::trace_id(&span);
     let mut tracked = Tracked {
         g: g.clone(),
-        status: "500",
+        outcome: Outcome::Internal,
+        trace_id: trace_id.clone(),
         t0: std::time::Instant::now(),
         span: span.clone(),
         wait: ClientWait::default(),
@@ -216,10 +212,10 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) ->
             Some(rx),
         ),
     };
-    tracked.status = status_label(r.status().as_u16());
+    tracked.outcome = Outcome::of_http(r.status().as_u16());
     span.record(attr::HTTP_STATUS_CODE, r.status().as_u16() as i64);
     if r.status().is_server_error() {
-        telemetry::mark_error(&span, tracked.status);
+        telemetry::mark_error(&span, r.status().as_str());
     }
     if let Some(id) = trace_id.and_then(|t| t.parse().ok()) {
         r.headers_mut().insert("x-pdmesh-trace-id", id);
@@ -570,11 +566,11 @@ pub async fn serve(
         router,
         in_flight: AtomicU64::new(0),
         next_id: AtomicU64::new(0),
-        by_status: Outcomes::new(STATUSES),
+        outcomes: Outcomes::default(),
         e2e: Histogram::latency(),
     });
     let g2 = g.clone();
-    let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move || render(&g2)));
+    let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move |f| render(&g2, f)));
     let admin = Admin::start(&config.common, admin).await?;
     let app = axum::Router::new()
         .route("/v1/chat/completions", post(chat))

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_core::admin::AdminState;
+use pdmesh_core::metrics::{Format, Text};
 use pdmesh_core::serve::{serve_grpc, Admin, Grpc, ServeError};
 use pdmesh_proto::kvbroker::v1 as pb;
 use tokio::net::TcpListener;
@@ -20,12 +21,9 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::tickets::Tickets;
 
-fn render_metrics(t: &Tickets, expired_total: u64) -> String {
+fn render_metrics(t: &Tickets, expired_total: u64, f: Format) -> String {
     let counts = t.count_by_state();
-    let mut s = String::from(
-        "# HELP pdmesh_kvbroker_tickets Tickets held by the broker, by state.\n# TYPE pdmesh_kvbroker_tickets gauge\n",
-    );
-    for st in [
+    let states: Vec<(String, f64)> = [
         pb::TicketState::Unspecified,
         pb::TicketState::Open,
         pb::TicketState::Claimed,
@@ -34,14 +32,22 @@ fn render_metrics(t: &Tickets, expired_total: u64) -> String {
         pb::TicketState::Failed,
         pb::TicketState::Cancelled,
         pb::TicketState::Expired,
-    ] {
+    ]
+    .into_iter()
+    .map(|st| {
         let name = st.as_str_name().trim_start_matches("TICKET_STATE_").to_lowercase();
         let name = if name == "unspecified" { "expected".to_string() } else { name };
-        s.push_str(&format!("pdmesh_kvbroker_tickets{{state=\"{name}\"}} {}\n", counts.get(&st).copied().unwrap_or(0)));
-    }
-    s.push_str("# HELP pdmesh_kvbroker_lease_expiries_total Tickets ended by lease expiry.\n# TYPE pdmesh_kvbroker_lease_expiries_total counter\n");
-    s.push_str(&format!("pdmesh_kvbroker_lease_expiries_total {expired_total}\n"));
-    s
+        (name, counts.get(&st).copied().unwrap_or(0) as f64)
+    })
+    .collect();
+    let states: Vec<(&str, f64)> = states.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+    let mut m = Text::new(f);
+    m.labelled("pdmesh_kvbroker_tickets", "gauge", "Tickets held by the broker, by state.", "state", &states).counter(
+        "pdmesh_kvbroker_lease_expiries_total",
+        "Tickets ended by lease expiry.",
+        expired_total,
+    );
+    m.finish()
 }
 
 /// Serve the broker on `listener` until `shutdown` resolves.
@@ -56,8 +62,9 @@ pub async fn serve(
     let admin = AdminState::new(
         "kvbroker",
         serde_json::to_value(&config).unwrap_or_default(),
-        Arc::new(move || {
-            render_metrics(&t2.lock().unwrap_or_else(|e| e.into_inner()), e2.load(std::sync::atomic::Ordering::Relaxed))
+        Arc::new(move |f| {
+            let t = t2.lock().unwrap_or_else(|e| e.into_inner());
+            render_metrics(&t, e2.load(std::sync::atomic::Ordering::Relaxed), f)
         }),
     );
     let admin = Admin::start(&config.common, admin).await?;

@@ -114,10 +114,7 @@ pub async fn run(a: Args) -> Result<(), String> {
     let n = blocks * BLOCK_BYTES;
     let mut child = std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
         .args(["kvbench", "--target", "--tokens", &a.tokens.to_string()])
-        .args([
-            "--kv-transport",
-            if a.transport.kv_transport == kv::TransportChoice::Tcp { "tcp" } else { "auto" },
-        ])
+        .args(["--kv-transport", if a.transport.kv_transport == kv::TransportChoice::Tcp { "tcp" } else { "auto" }])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()

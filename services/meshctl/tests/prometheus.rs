@@ -1,7 +1,9 @@
 //! A real Prometheus (the Debian package; scripts/deps.sh installs it)
 //! scrapes every service of a running mesh with the shipped
 //! infra/prometheus.yml, through the target file `meshctl up
-//! --prometheus-sd` writes.
+//! --prometheus-sd` writes. With tracing on and exemplar storage enabled,
+//! Prometheus keeps the trace ids the latency histograms carry
+//! (OpenMetrics exemplars), and they name the traces the mesh exported.
 
 mod common;
 
@@ -32,7 +34,10 @@ fn prometheus_scrapes_every_service() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let sd = dir.join("pdmesh.json");
-    let mesh = Mesh::up(&["--prometheus-sd", sd.to_str().unwrap()]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let sink = rt.block_on(pdmesh_meshctl::sink::Sink::start("127.0.0.1:0".parse().unwrap(), None)).unwrap();
+    let ep = sink.endpoint();
+    let mesh = Mesh::up(&["--prometheus-sd", sd.to_str().unwrap(), "--otlp-endpoint", &ep]);
     let targets: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sd).unwrap()).unwrap();
     assert_eq!(targets.as_array().unwrap().len(), 6, "{targets}");
 
@@ -46,6 +51,7 @@ fn prometheus_scrapes_every_service() {
         .arg(format!("--config.file={}", cfg.display()))
         .arg(format!("--web.listen-address={addr}"))
         .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+        .arg("--enable-feature=exemplar-storage")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -53,8 +59,15 @@ fn prometheus_scrapes_every_service() {
     let _prom = KillOnDrop(prom);
 
     // A request, so the request counters have something to say.
-    let (code, text) = mesh.post("/v1/chat/completions", &chat_body("Hi", r#","max_tokens":4"#), &[]);
+    let (code, tid, text) = post_header(
+        &mesh.gateway,
+        "/v1/chat/completions",
+        &chat_body("Hi", r#","max_tokens":4"#),
+        &[],
+        "x-pdmesh-trace-id",
+    );
     assert_eq!(code, 200, "{text}");
+    let tid = tid.expect("traced: the gateway names the trace");
 
     let t0 = Instant::now();
     let up = loop {
@@ -84,6 +97,30 @@ fn prometheus_scrapes_every_service() {
         assert!(t1.elapsed() < Duration::from_secs(30), "the gateway's request counter never reached Prometheus: {r}");
         std::thread::sleep(Duration::from_millis(500));
     }
+    // The TTFT histogram's exemplar in Prometheus names the request's trace,
+    // and that trace reached the collector.
+    let t2 = Instant::now();
+    let q = "/api/v1/query_exemplars?query=pdmesh_router_ttft_seconds_bucket&start=0&end=9999999999";
+    let found = loop {
+        let (code, body) = pdmesh_testkit::http_get(&addr, q);
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let ids: Vec<String> = v["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s["exemplars"].as_array().cloned().unwrap_or_default())
+            .filter_map(|e| e["labels"]["trace_id"].as_str().map(str::to_string))
+            .collect();
+        if !ids.is_empty() {
+            break ids;
+        }
+        assert!(t2.elapsed() < Duration::from_secs(30), "no exemplar reached Prometheus: {body}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(found.as_slice(), std::slice::from_ref(&tid), "the exemplar is the request's trace");
+    let spans = rt.block_on(sink.wait_trace(&tid, Duration::from_secs(20), |s| !s.is_empty()));
+    assert!(!spans.is_empty(), "the exemplar's trace {tid} was exported");
     drop(mesh);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -252,6 +252,24 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
         "gateway/router spans end before decoding ended"
     );
     assert!(gw.attr_f64("gateway.chunks").unwrap_or(0.0) >= 3.0);
+    // Exemplars: the latency histograms in OpenMetrics lead to this trace,
+    // and `meshctl explain` opens it.
+    for (service, histogram) in [
+        ("router", "pdmesh_router_ttft_seconds"),
+        ("router", "pdmesh_router_request_seconds"),
+        ("gateway", "pdmesh_gateway_request_seconds"),
+        ("decode", "pdmesh_decode_step_seconds"),
+        ("prefill", "pdmesh_prefill_step_seconds"),
+    ] {
+        let inst = mesh.instance(service).await;
+        let (code, om) = pdmesh_testkit::http_get_openmetrics(inst.http_addr.as_deref().unwrap(), "/metrics");
+        assert_eq!(code, 200);
+        assert!(om.ends_with("# EOF\n"), "{service}: not OpenMetrics");
+        let ids = pdmesh_core::metrics::exemplar_trace_ids(&om, histogram);
+        assert!(!ids.is_empty() && ids.iter().all(|t| t == caller_trace), "{histogram}: exemplars {ids:?}\n{om}");
+    }
+    let e = explain(&spans).expect("explain opens the exemplar's trace");
+    assert_eq!(e.trace_id, caller_trace);
 
     // 2. 16 at once: 16 separate complete traces; step spans link several.
     let mut handles = Vec::new();

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use pdmesh_core::metrics::{Histogram, Outcomes, GRPC_OUTCOMES};
+use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId, TokenEvent};
@@ -104,7 +104,7 @@ impl Batcher {
             transfer_bytes: AtomicU64::new(0),
             transfers_nixl: AtomicU64::new(0),
             transfers_tcp: AtomicU64::new(0),
-            outcomes: Outcomes::new(GRPC_OUTCOMES),
+            outcomes: Outcomes::default(),
         });
         let q = Arc::new(Queue { state: Mutex::new(State::default()), wake: Condvar::new() });
         let (q2, s2) = (q.clone(), stats.clone());
@@ -233,7 +233,7 @@ impl Loop {
         while let Some(j) = g.jobs.front() {
             if j.reply.is_closed() {
                 g.jobs.pop_front();
-                stats.outcomes.inc("cancelled");
+                stats.outcomes.inc(Outcome::Cancelled);
                 continue;
             }
             let waited = j.enqueued.elapsed();
@@ -296,6 +296,7 @@ impl Loop {
         if !admitted.is_empty() {
             let ids: Vec<SeqId> = admitted.iter().map(|(id, _)| *id).collect();
             let step = pdmesh_worker::step_span(span::PREFILL_STEP, forwards.iter(), n_batch);
+            let trace_id = pdmesh_core::telemetry::trace_id(&step);
             let t = Instant::now();
             let result = {
                 let _in = step.enter();
@@ -303,7 +304,7 @@ impl Loop {
                 self.engine.prefill_with(&ids, StepOptions { kernel_spans })
             };
             drop(step);
-            self.stats.step_seconds.observe(t.elapsed().as_secs_f64());
+            self.stats.step_seconds.observe_traced(t.elapsed().as_secs_f64(), trace_id.as_deref());
             self.stats.steps.fetch_add(1, Ordering::Relaxed);
             self.deliver(admitted, result);
         }

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use pdmesh_core::metrics::Text;
+use pdmesh_core::metrics::{Format, Text};
 use pdmesh_proto::prefill::v1 as pb;
 use pdmesh_worker::kv::send::{KvTransport, NixlTransport, TcpTransport};
 use pdmesh_worker::ServeError;
@@ -20,8 +20,8 @@ use tokio::net::TcpListener;
 use crate::batcher::{Batcher, Stats};
 use crate::config::Config;
 
-fn render(st: &Stats) -> String {
-    let mut t = Text::default();
+fn render(st: &Stats, f: Format) -> String {
+    let mut t = Text::new(f);
     let g = |a: &std::sync::atomic::AtomicU32| a.load(Ordering::Relaxed) as f64;
     t.gauge("pdmesh_prefill_running", "Prompts in the forward step now running.", g(&st.running))
         .gauge("pdmesh_prefill_queued", "Prompts waiting for a forward step.", g(&st.queued))
@@ -60,7 +60,7 @@ fn render(st: &Stats) -> String {
         ],
     );
     st.outcomes.render(&mut t, "pdmesh_prefill_requests_total", "Finished prefill requests by outcome.");
-    t.0
+    t.finish()
 }
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.

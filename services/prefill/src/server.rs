@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use pdmesh_core::metrics::outcome_of;
+use pdmesh_core::metrics::Outcome;
 use pdmesh_core::peers::Peers;
 
 use pdmesh_proto::kvbroker::v1 as kpb;
@@ -232,7 +232,7 @@ impl pb::prefill_server::Prefill for Service {
         let r = self.run(req.into_inner()).instrument(span.clone()).await;
         let r = telemetry::finish(&span, r);
         let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());
-        self.batcher.stats.outcomes.inc(outcome_of(code));
+        self.batcher.stats.outcomes.inc(Outcome::of_code(code));
         r.map(Response::new)
     }
 

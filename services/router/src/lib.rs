@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdmesh_core::admin::AdminState;
-use pdmesh_core::metrics::Text;
+use pdmesh_core::metrics::{Format, Text};
 use pdmesh_core::peers::Peers;
 use pdmesh_core::serve::{serve_grpc, Admin, Grpc, ServeError};
 use pdmesh_proto::router::v1 as pb;
@@ -30,8 +30,8 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::server::{Metrics, Router};
 
-fn render(m: &Metrics) -> String {
-    let mut t = Text::default();
+fn render(m: &Metrics, f: Format) -> String {
+    let mut t = Text::new(f);
     t.gauge("pdmesh_router_in_flight", "Requests being served.", m.in_flight.load(Ordering::Relaxed) as f64)
         .histogram("pdmesh_router_ttft_seconds", "Time from request arrival to the first token.", &m.ttft)
         .histogram("pdmesh_router_inter_token_seconds", "Gap between consecutive tokens of a request.", &m.itl)
@@ -47,7 +47,7 @@ fn render(m: &Metrics) -> String {
             m.completion_tokens.load(Ordering::Relaxed),
         );
     m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
-    t.0
+    t.finish()
 }
 
 /// Serve the router on `listener` until `shutdown` resolves. Healthy once
@@ -59,7 +59,7 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let metrics = Arc::new(Metrics::default());
     let m2 = metrics.clone();
-    let admin = AdminState::new("router", serde_json::json!({ "config": config }), Arc::new(move || render(&m2)));
+    let admin = AdminState::new("router", serde_json::json!({ "config": config }), Arc::new(move |f| render(&m2, f)));
     let admin = Admin::start(&config.common, admin).await?;
     let c = &config.common;
     let router = Arc::new(Router {

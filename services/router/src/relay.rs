@@ -43,6 +43,8 @@ struct Out {
     n_out: u32,
     started: Instant,
     last_token: Option<Instant>,
+    /// The request's trace, as the latency histograms' exemplar.
+    trace_id: Option<String>,
 }
 
 impl Router {
@@ -57,7 +59,15 @@ impl Router {
     ) -> Result<(), Status> {
         let Dispatched { stream: mut dstream, prefill, pair } = d;
         let mut prefill = Some(prefill);
-        let mut out = Out { detok: None, stops: StopMatcher::new(stop), n_prompt, n_out: 0, started, last_token: None };
+        let mut out = Out {
+            detok: None,
+            stops: StopMatcher::new(stop),
+            n_prompt,
+            n_out: 0,
+            started,
+            last_token: None,
+            trace_id: telemetry::trace_id(&tracing::Span::current()),
+        };
         loop {
             let msg = tokio::select! {
                 m = dstream.message() => m,
@@ -92,10 +102,13 @@ impl Router {
         match out.last_token {
             None => {
                 let ttft = (now - out.started).as_secs_f64();
-                self.metrics.ttft.observe(ttft);
+                self.metrics.ttft.observe_traced(ttft, out.trace_id.as_deref());
                 tracing::Span::current().set_attribute(attr::TTFT_MS, ttft * 1e3);
             }
-            Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64() / ids.len().max(1) as f64),
+            Some(prev) => {
+                let gap = (now - prev).as_secs_f64() / ids.len().max(1) as f64;
+                self.metrics.itl.observe_traced(gap, out.trace_id.as_deref());
+            }
         }
         out.last_token = Some(now);
         out.n_out += ids.len() as u32;

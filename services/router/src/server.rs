@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pdmesh_core::metrics::{outcome_of, Histogram, Outcomes};
+use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::peers::Peers;
 use pdmesh_core::telemetry::{self, SpanExt};
 use pdmesh_core::vocab::{attr, rpc, span};
@@ -168,8 +168,9 @@ impl Router {
             }
             let _ = tx.send(Err(e)).await;
         }
-        self.metrics.e2e.observe(t0.elapsed().as_secs_f64());
-        self.metrics.outcomes.inc(outcome_of(code));
+        let trace_id = telemetry::trace_id(&tracing::Span::current());
+        self.metrics.e2e.observe_traced(t0.elapsed().as_secs_f64(), trace_id.as_deref());
+        self.metrics.outcomes.inc(Outcome::of_code(code));
         self.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
         let span = tracing::Span::current();
         span.record(attr::RPC_STATUS_CODE, code as i64);
@@ -197,7 +198,7 @@ impl pb::router_server::Router for Service {
         let (input, job) = match validate(req.into_inner(), router.max_stop, || router.fresh_request_id()) {
             Ok(j) => j,
             Err(e) => {
-                router.metrics.outcomes.inc(outcome_of(e.code()));
+                router.metrics.outcomes.inc(Outcome::of_code(e.code()));
                 telemetry::record_status(&span, Some(&e));
                 return Err(e);
             }

@@ -103,6 +103,12 @@ where
 
 /// A plain blocking HTTP/1.1 GET (what a Consul check or curl does):
 /// status code and body. Call it from `spawn_blocking` in async tests.
+/// `GET` asking for OpenMetrics (histograms carry trace-id exemplars).
+pub fn http_get_openmetrics(addr: &str, path: &str) -> (u16, String) {
+    pdmesh_core::http::get_openmetrics(addr, path, Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("GET http://{addr}{path} (OpenMetrics): {e}"))
+}
+
 pub fn http_get(addr: &str, path: &str) -> (u16, String) {
     pdmesh_core::http::get(addr, path, Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("GET http://{addr}{path}: {e}"))

@@ -38,8 +38,11 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let metrics = Arc::new(metrics::Metrics::default());
     let m2 = metrics.clone();
-    let admin =
-        AdminState::new("tokenizer", serde_json::to_value(&config).unwrap_or_default(), Arc::new(move || m2.render()));
+    let admin = AdminState::new(
+        "tokenizer",
+        serde_json::to_value(&config).unwrap_or_default(),
+        Arc::new(move |f| m2.render(f)),
+    );
     let admin = Admin::start(&config.common, admin).await?;
     let path = match &config.model {
         Some(p) => p.clone(),

@@ -1,38 +1,29 @@
-//! The tokenizer's Prometheus metrics: requests by RPC and outcome.
+//! The tokenizer's metrics: requests by RPC and [`Outcome`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Outcomes a request can end in (the gRPC code class).
-#[derive(Clone, Copy, Debug)]
-pub enum Outcome {
-    Ok,
-    InvalidArgument,
-    Internal,
-}
+use pdmesh_core::metrics::{Format, Outcome, Outcomes, Text};
 
 const RPCS: [&str; 3] = ["encode", "detokenize", "info"];
-const OUTCOMES: [&str; 3] = ["ok", "invalid_argument", "internal"];
 
 #[derive(Default)]
 pub struct Metrics {
-    requests: [[AtomicU64; 3]; 3],
+    requests: [Outcomes; 3],
 }
 
 impl Metrics {
     /// Count one finished request; `rpc` is an index into encode, detokenize, info.
     pub fn record(&self, rpc: usize, outcome: Outcome) {
-        self.requests[rpc][outcome as usize].fetch_add(1, Ordering::Relaxed);
+        self.requests[rpc].inc(outcome);
     }
 
-    pub fn render(&self) -> String {
-        let mut s = String::from("# HELP pdmesh_tokenizer_requests_total Finished tokenizer requests by RPC and outcome.\n# TYPE pdmesh_tokenizer_requests_total counter\n");
-        for (r, rpc) in RPCS.iter().enumerate() {
-            for (o, outcome) in OUTCOMES.iter().enumerate() {
-                let v = self.requests[r][o].load(Ordering::Relaxed);
-                s.push_str(&format!("pdmesh_tokenizer_requests_total{{rpc=\"{rpc}\",outcome=\"{outcome}\"}} {v}\n"));
-            }
+    pub fn render(&self, f: Format) -> String {
+        let mut samples = Vec::new();
+        for (rpc, outcomes) in RPCS.iter().zip(&self.requests) {
+            samples.extend(outcomes.samples().map(|(o, v)| (vec![*rpc, o], v)));
         }
-        s
+        let mut t = Text::new(f);
+        let help = "Finished tokenizer requests by RPC and outcome.";
+        t.family("pdmesh_tokenizer_requests_total", "counter", help, &["rpc", "outcome"], &samples);
+        t.finish()
     }
 }
 
@@ -42,9 +33,5 @@ pub const INFO: usize = 2;
 
 /// The outcome a gRPC status stands for.
 pub fn outcome_of(status: &tonic::Status) -> Outcome {
-    match status.code() {
-        tonic::Code::Ok => Outcome::Ok,
-        tonic::Code::InvalidArgument => Outcome::InvalidArgument,
-        _ => Outcome::Internal,
-    }
+    Outcome::of_code(status.code())
 }

@@ -12,7 +12,8 @@ use tracing::Instrument;
 use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::error::Error;
-use crate::metrics::{self, outcome_of, Metrics, Outcome};
+use crate::metrics::{self, outcome_of, Metrics};
+use pdmesh_core::metrics::Outcome;
 use pdmesh_core::vocab::{attr, rpc};
 
 pub struct Service {

@@ -293,7 +293,7 @@ pub async fn boot<T: Send + Sync + 'static>(
     common: &pdmesh_core::args::CommonArgs,
     engine: &EngineArgs,
     transport: &'static str,
-    render: fn(&T) -> String,
+    render: fn(&T, pdmesh_core::metrics::Format) -> String,
 ) -> Result<(pdmesh_core::serve::Admin, Engine, StatsSlot<T>), ServeError> {
     let slot: StatsSlot<T> = Default::default();
     let s2 = slot.clone();
@@ -301,7 +301,7 @@ pub async fn boot<T: Send + Sync + 'static>(
     let admin = pdmesh_core::admin::AdminState::new(
         service,
         statusz,
-        std::sync::Arc::new(move || s2.get().map(|s| render(s)).unwrap_or_default()),
+        std::sync::Arc::new(move |f| s2.get().map(|s| render(s, f)).unwrap_or_default()),
     );
     let admin = pdmesh_core::serve::Admin::start(common, admin).await?;
     let args = engine.clone();
@@ -331,7 +331,7 @@ pub async fn start_worker<T: Send + Sync + 'static>(
     service: &'static str,
     config: serde_json::Value,
     args: &WorkerArgs,
-    render: fn(&T) -> String,
+    render: fn(&T, pdmesh_core::metrics::Format) -> String,
 ) -> Result<Started<T>, ServeError> {
     let nixl_lib = kv::choose(&args.transport).map_err(ServeError::Setup)?;
     let name = if nixl_lib.is_some() { "nixl" } else { "tcp" };
