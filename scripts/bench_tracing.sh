@@ -22,7 +22,7 @@ for r in $(seq 1 "$rounds"); do
     "$bin/meshctl" up --gateway-addr 127.0.0.1:18089 --registry-dir "$reg" "${flags[@]}" >"$work/up.log" 2>&1 &
     up=$!
     for _ in $(seq 1 600); do grep -q "pdmesh is up" "$work/up.log" && break; sleep 0.5; done
-    res=$("$bin/meshctl" bench --mesh-only --concurrency 16 --requests 48 --max-tokens 64 --registry-dir "$reg")
+    res=$("$bin/pdmesh-bench" mesh --mesh-only --concurrency 16 --requests 48 --max-tokens 64 --registry-dir "$reg")
     echo "round $r tracing $mode: $res" >&2
     results+=("{\"round\":$r,\"tracing\":\"$mode\",\"bench\":$res}")
     kill -TERM "$up"; wait "$up" || true

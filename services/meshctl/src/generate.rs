@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, env = "PDMESH_ROUTER_ADDR")]
     pub router_addr: Option<String>,
     /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = crate::default_registry_dir())]
+    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
     pub registry_dir: PathBuf,
     /// Deadline of the request, in seconds.
     #[arg(long, default_value_t = 300.0)]
@@ -35,7 +35,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let addr = crate::router_addr(a.router_addr.as_deref(), &a.registry_dir).await?;
+    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &a.registry_dir).await?;
     let ch = pdmesh_core::grpc::lazy_channel(&addr)?;
     let input = if a.raw {
         pb::generate_request::Input::Prompt(a.text)

@@ -101,7 +101,7 @@ pub struct ProbeArgs {
     #[arg(long, env = "PDMESH_ROUTER_ADDR")]
     pub router_addr: Option<String>,
     /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = crate::default_registry_dir())]
+    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
     pub registry_dir: PathBuf,
     /// Refuse to probe when any prefill or decode worker has more than this many sequences running or queued.
     #[arg(long, default_value_t = 4)]
@@ -153,7 +153,7 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
             ));
         }
     }
-    let addr = crate::router_addr(a.router_addr.as_deref(), &a.registry_dir).await?;
+    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &a.registry_dir).await?;
     let ch = pdmesh_core::grpc::lazy_channel(&addr)?;
     let trace_id = random_hex(16);
     let mut req = tonic::Request::new(pb::GenerateRequest {

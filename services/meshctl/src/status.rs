@@ -12,7 +12,7 @@ pub const SERVICES: [&str; 6] = ["tokenizer", "kvbroker", "prefill", "decode", "
 #[derive(clap::Args)]
 pub struct Args {
     /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = crate::default_registry_dir())]
+    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
     pub registry_dir: PathBuf,
     /// Seconds after which a registry entry without heartbeat counts as dead.
     #[arg(long, env = "PDMESH_REGISTRY_TTL_S", default_value_t = 10)]

@@ -14,8 +14,10 @@ pub struct Args {
     /// GGUF model file. Default: the cached SmolLM2 model, fetched now if missing.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub cache: pdmesh_model::CacheArgs,
     /// Registry folder the services announce themselves in.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = crate::default_registry_dir())]
+    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
     pub registry_dir: PathBuf,
     /// Folder for the services' logs (default: `logs` beside the registry folder).
     #[arg(long)]
@@ -229,7 +231,8 @@ async fn model_path(a: &Args) -> Result<String, String> {
         Some(m) => m.clone(),
         None => {
             eprintln!("meshctl: making sure the model is in the cache (first run downloads it)");
-            tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model)
+            let cache = a.cache.clone();
+            tokio::task::spawn_blocking(move || cache.ensure_model())
                 .await
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?

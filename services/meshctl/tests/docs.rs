@@ -7,7 +7,8 @@ use std::process::Command;
 
 /// (binary, subcommands, the page that documents it).
 const BINARIES: &[(&str, &[&str], &str)] = &[
-    ("meshctl", &["up", "status", "generate", "bench", "kvbench", "explain", "probe", "collect"], "meshctl.md"),
+    ("meshctl", &["up", "status", "generate", "explain", "probe", "collect"], "meshctl.md"),
+    ("pdmesh-bench", &["mesh", "kv"], "bench.md"),
     ("pdmesh-engine", &["fetch", "tokenize", "generate", "bench"], "engine.md"),
     ("pdmesh-loadtest", &[], "loadtest.md"),
     ("pdmesh-gateway", &[], "services.md"),

@@ -12,6 +12,8 @@ pub struct Config {
     /// GGUF model file (only its tokenizer metadata is read). Default: the cached SmolLM2 model, fetched on first use.
     #[arg(long, env = "PDMESH_TOKENIZER_MODEL")]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub cache: pdmesh_model::CacheArgs,
     /// Largest prompt or chat content accepted, in bytes; larger requests get INVALID_ARGUMENT.
     #[arg(long, env = "PDMESH_TOKENIZER_MAX_INPUT_BYTES", default_value_t = 1 << 20)]
     pub max_input_bytes: usize,

@@ -44,13 +44,12 @@ pub async fn serve(
         Arc::new(move |f| m2.render(f)),
     );
     let admin = Admin::start(&config.common, admin).await?;
-    let path = match &config.model {
-        Some(p) => p.clone(),
-        None => tokio::task::spawn_blocking(pdmesh_engine::fetch::ensure_model)
-            .await
-            .map_err(|e| ServeError::Setup(e.to_string()))?
-            .map_err(|e| ServeError::Setup(e.to_string()))?,
-    };
+    let cache = config.cache.clone();
+    let explicit = config.model.clone();
+    let path = tokio::task::spawn_blocking(move || cache.model_or_fetch(explicit.as_deref()))
+        .await
+        .map_err(|e| ServeError::Setup(e.to_string()))?
+        .map_err(|e| ServeError::Setup(e.to_string()))?;
     let (tok, info) = tokio::task::spawn_blocking(move || -> Result<_, pdmesh_engine::EngineError> {
         let g = Gguf::open(&path)?;
         let tok = Tokenizer::from_gguf(&g)?;

@@ -6,11 +6,12 @@ use serde_json::Value;
 use tonic::Code;
 
 async fn boot_with(common: pdmesh_core::args::CommonArgs) -> pdmesh_testkit::Running {
-    let model = pdmesh_engine::fetch::ensure_model().expect("model");
+    let model = pdmesh_model::CacheArgs::from_env().ensure_model().expect("model");
     let svc = pdmesh_testkit::spawn(move |listener, stop| {
         let cfg = pdmesh_tokenizer::config::Config {
             listen: listener.local_addr().unwrap(),
             model: Some(model),
+            cache: Default::default(),
             max_input_bytes: 4096,
             common,
         };

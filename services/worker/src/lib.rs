@@ -36,6 +36,11 @@ pub struct EngineArgs {
     /// GGUF model file. Default: the cached SmolLM2 model, fetched on first use.
     #[arg(long, env = "PDMESH_MODEL")]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub cache: pdmesh_model::CacheArgs,
+    /// Debugging only: write every layer's intermediate tensors of each step into this folder.
+    #[arg(long, env = "PDMESH_DEBUG_DUMP_DIR")]
+    pub debug_dump_dir: Option<PathBuf>,
     /// Kernel threads (0 = all cores).
     #[arg(long, env = "PDMESH_THREADS", default_value_t = 0)]
     pub threads: usize,
@@ -139,12 +144,9 @@ impl EngineArgs {
         if self.max_batch == 0 {
             return Err(EngineError::InvalidArgument("--max-batch must be at least 1".into()));
         }
-        let path = match &self.model {
-            Some(p) => p.clone(),
-            None => pdmesh_engine::fetch::ensure_model()?,
-        };
+        let path = self.cache.model_or_fetch(self.model.as_deref())?;
         let (model, _gguf) = Model::load(&path)?;
-        Engine::new(model, self.options())
+        Engine::new(model.with_dump_dir(self.debug_dump_dir.clone()), self.options())
     }
 }
 
@@ -333,7 +335,7 @@ pub async fn start_worker<T: Send + Sync + 'static>(
     args: &WorkerArgs,
     render: fn(&T, pdmesh_core::metrics::Format) -> String,
 ) -> Result<Started<T>, ServeError> {
-    let nixl_lib = kv::choose(&args.transport).map_err(ServeError::Setup)?;
+    let nixl_lib = kv::choose(&args.transport, args.engine.cache.python()).map_err(ServeError::Setup)?;
     let name = if nixl_lib.is_some() { "nixl" } else { "tcp" };
     let (admin, engine, stats) = boot(service, config, &args.common, &args.engine, name, render).await?;
     let worker_id = args.common.instance_id.clone().unwrap_or_else(|| format!("{service}-{}", std::process::id()));

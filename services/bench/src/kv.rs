@@ -1,10 +1,10 @@
-//! `meshctl kvbench`: move one prompt's KV (default 512 tokens of
+//! `pdmesh-bench kv`: move one prompt's KV (default 512 tokens of
 //! SmolLM2: 32 blocks, 11.8 MB) from this process into another one, with
 //! NIXL (UCX, arena registered once) and with the TCP transport (a
 //! `Decode/WriteKv` gRPC stream in 1 MiB chunks), beside a plain memcpy of
 //! the same bytes; median of `--rounds` each. Prints JSON.
 //!
-//! The other process is this binary again (`meshctl kvbench --target`),
+//! The other process is this binary again (`pdmesh-bench kv --target`),
 //! which registers its arena, serves WriteKv, and prints its NIXL metadata.
 
 use std::io::{BufRead, Write};
@@ -28,6 +28,8 @@ pub struct Args {
     pub chunk_bytes: usize,
     #[command(flatten)]
     pub transport: kv::TransportArgs,
+    #[command(flatten)]
+    pub cache: pdmesh_model::CacheArgs,
     /// Internal: run as the receiving process.
     #[arg(long, hide = true)]
     pub target: bool,
@@ -72,7 +74,7 @@ async fn target(a: &Args) -> Result<(), String> {
     let n = a.tokens.div_ceil(16) * BLOCK_BYTES;
     let sink = std::sync::Arc::new(Sink { buf: std::sync::Mutex::new(vec![0u8; n]) });
     let addr = sink.buf.lock().map(|b| b.as_ptr() as usize).unwrap_or(0);
-    let nixl = match kv::choose(&a.transport)? {
+    let nixl = match kv::choose(&a.transport, a.cache.python())? {
         Some(_) => Some(Nixl::start("kvbench-target", addr, n)?),
         None => None,
     };
@@ -113,7 +115,7 @@ pub async fn run(a: Args) -> Result<(), String> {
     let blocks = a.tokens.div_ceil(16);
     let n = blocks * BLOCK_BYTES;
     let mut child = std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
-        .args(["kvbench", "--target", "--tokens", &a.tokens.to_string()])
+        .args(["kv", "--target", "--tokens", &a.tokens.to_string()])
         .args(["--kv-transport", if a.transport.kv_transport == kv::TransportChoice::Tcp { "tcp" } else { "auto" }])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -141,7 +143,7 @@ pub async fn run(a: Args) -> Result<(), String> {
     report.insert("memcpy".into(), json!({ "median_s": memcpy, "gb_per_s": n as f64 / memcpy / 1e9 }));
 
     let md_hex = info["md"].as_str().unwrap_or_default();
-    if !md_hex.is_empty() && kv::choose(&a.transport)?.is_some() {
+    if !md_hex.is_empty() && kv::choose(&a.transport, a.cache.python())?.is_some() {
         let md: Vec<u8> =
             (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
         let nixl = Nixl::start("kvbench-source", src.as_ptr() as usize, n)?;

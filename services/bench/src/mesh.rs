@@ -1,4 +1,4 @@
-//! `meshctl bench`: the same closed-loop workload through the mesh (router
+//! `pdmesh-bench mesh`: the same closed-loop workload through the mesh (router
 //! gRPC, streamed) and through the engine alone (in this process, with the
 //! same continuous batching), in one run, so TTFT and output tokens/s can be
 //! compared like for like. Prints JSON.
@@ -43,11 +43,13 @@ pub struct Args {
     #[arg(long, env = "PDMESH_ROUTER_ADDR")]
     pub router_addr: Option<String>,
     /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = crate::default_registry_dir())]
+    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
     pub registry_dir: PathBuf,
     /// GGUF model for the engine-alone runs (default: the cached model).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub cache: pdmesh_model::CacheArgs,
     /// Kernel threads of the engine-alone runs (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -197,26 +199,23 @@ fn engine_point(
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let addr = crate::router_addr(a.router_addr.as_deref(), &a.registry_dir).await?;
+    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &a.registry_dir).await?;
     let mut points = Vec::new();
     // Warm-up through the mesh (first-touch of weights and arenas).
     mesh_point(&addr, 1, 2, 8).await?;
     for &c in &a.concurrency {
         let n = a.requests.max(c);
         let mesh = mesh_point(&addr, c, n, a.max_tokens).await?;
-        eprintln!("meshctl bench: mesh c={c}: {mesh}");
+        eprintln!("pdmesh-bench mesh: mesh c={c}: {mesh}");
         points.push(json!({ "concurrency": c, "mesh": mesh }));
     }
     if !a.mesh_only {
-        let model = a.model.clone();
+        let (model, cache) = (a.model.clone(), a.cache.clone());
         let threads = a.threads;
         let conc = a.concurrency.clone();
         let (requests, max_tokens) = (a.requests, a.max_tokens);
         let engine_points = tokio::task::spawn_blocking(move || -> Result<Vec<serde_json::Value>, String> {
-            let path = match model {
-                Some(m) => m,
-                None => pdmesh_engine::fetch::ensure_model().map_err(|e| e.to_string())?,
-            };
+            let path = cache.model_or_fetch(model.as_deref()).map_err(|e| e.to_string())?;
             let (m, g) = Model::load(&path).map_err(|e| e.to_string())?;
             let tok = Tokenizer::from_gguf(&g).map_err(|e| e.to_string())?;
             let prompts: Vec<Vec<u32>> = PROMPTS
@@ -230,7 +229,7 @@ pub async fn run(a: Args) -> Result<(), String> {
             let mut out = Vec::new();
             for c in conc {
                 let p = engine_point(&mut engine, &prompts, c, requests.max(c), max_tokens)?;
-                eprintln!("meshctl bench: engine c={c}: {p}");
+                eprintln!("pdmesh-bench mesh: engine c={c}: {p}");
                 out.push(p);
             }
             Ok(out)
