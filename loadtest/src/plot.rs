@@ -112,14 +112,7 @@ fn draw_throughput<DB: DrawingBackend>(
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
         chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, col.filled()))).map_err(err)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    legend_and_present(&mut chart, root, SeriesLabelPosition::UpperLeft)
 }
 
 fn draw_latency<DB: DrawingBackend>(
@@ -163,14 +156,7 @@ fn draw_latency<DB: DrawingBackend>(
             chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, col.filled()))).map_err(err)?;
         }
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    legend_and_present(&mut chart, root, SeriesLabelPosition::UpperLeft)
 }
 
 /// Gauges worth drawing on the timeline, if sampled: (metric, label).
@@ -262,8 +248,18 @@ fn draw_timeline<DB: DrawingBackend>(
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
     }
-    load.configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+    legend_and_present(&mut load, root, SeriesLabelPosition::UpperRight)
+}
+
+/// Draw the series legend at `at`, then write the figure out.
+fn legend_and_present<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    root: &DrawingArea<DB, Shift>,
+    at: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(at)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
@@ -271,11 +267,12 @@ fn draw_timeline<DB: DrawingBackend>(
     root.present().map_err(err)
 }
 
-/// Draw with `f` into `<prefix>-<name>.png` and `.svg`; returns the files.
 /// Draws one figure as PNG and as SVG.
 type DrawPng<'a> = dyn Fn(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String> + 'a;
 type DrawSvg<'a> = dyn Fn(&DrawingArea<SVGBackend, Shift>) -> Result<(), String> + 'a;
 
+/// Draw with `f` into `<prefix>-<name>.png` and with `g` into `.svg`;
+/// returns the files.
 fn both(prefix: &Path, name: &str, size: (u32, u32), f: &DrawPng<'_>, g: &DrawSvg<'_>) -> Result<Vec<PathBuf>, String> {
     let stem = prefix.file_name().and_then(|s| s.to_str()).unwrap_or("loadtest");
     let png = prefix.with_file_name(format!("{stem}-{name}.png"));

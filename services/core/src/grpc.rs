@@ -140,6 +140,7 @@ pub async fn serve_routes(
     tonic::transport::Server::builder()
         .initial_stream_window_size(Some(STREAM_WINDOW))
         .initial_connection_window_size(Some(CONN_WINDOW))
+        .layer(crate::telemetry::ServerSpans)
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await

@@ -183,22 +183,6 @@ impl Injector for MetadataInjector<'_> {
     }
 }
 
-struct MetadataExtractor<'a>(&'a tonic::metadata::MetadataMap);
-impl Extractor for MetadataExtractor<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
-    }
-    fn keys(&self) -> Vec<&str> {
-        self.0
-            .keys()
-            .filter_map(|k| match k {
-                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
-                tonic::metadata::KeyRef::Binary(_) => None,
-            })
-            .collect()
-    }
-}
-
 struct HeaderExtractor<'a>(&'a axum::http::HeaderMap);
 impl Extractor for HeaderExtractor<'_> {
     fn get(&self, key: &str) -> Option<&str> {
@@ -242,7 +226,7 @@ pub fn span_context(span: &tracing::Span) -> Option<opentelemetry::trace::SpanCo
 }
 
 /// An RPC span named after the method (`pdmesh.router.v1.Router/Generate`).
-fn rpc_span(method: &'static str, kind: &'static str) -> tracing::Span {
+fn rpc_span(method: &str, kind: &'static str) -> tracing::Span {
     let (service, rpc) = method.split_once('/').unwrap_or((method, ""));
     tracing::info_span!(
         span::GRPC,
@@ -255,12 +239,57 @@ fn rpc_span(method: &'static str, kind: &'static str) -> tracing::Span {
     )
 }
 
-/// A gRPC server span continuing the caller's trace from the request metadata.
-pub fn server_span<T>(method: &'static str, req: &tonic::Request<T>) -> tracing::Span {
+/// The tower layer every gRPC server runs under (added once, in
+/// [`crate::grpc::serve_routes`]): each per-request RPC
+/// ([`crate::vocab::rpc::TRACED`]) is handled inside a server span named
+/// after its method, continuing the caller's trace from the request's
+/// metadata. Handlers take it as `tracing::Span::current()`, and record
+/// their status on it ([`finish`], [`record_status`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServerSpans;
+
+impl<S> tower::Layer<S> for ServerSpans {
+    type Service = ServerSpansService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        ServerSpansService { inner }
+    }
+}
+
+/// A service wrapped by [`ServerSpans`].
+#[derive(Clone, Debug)]
+pub struct ServerSpansService<S> {
+    inner: S,
+}
+
+impl<S, B> tower::Service<axum::http::Request<B>> for ServerSpansService<S>
+where
+    S: tower::Service<axum::http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = tracing::instrument::Instrumented<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: axum::http::Request<B>) -> Self::Future {
+        use tracing::Instrument;
+        let span = server_span_for(req.uri().path(), req.headers());
+        self.inner.call(req).instrument(span)
+    }
+}
+
+/// The server span of a request to `path` (`/pdmesh.x.v1.Svc/Method`), or
+/// no span for methods not in [`crate::vocab::rpc::TRACED`].
+fn server_span_for(path: &str, headers: &axum::http::HeaderMap) -> tracing::Span {
+    let method = path.trim_start_matches('/');
+    if !crate::vocab::rpc::TRACED.contains(&method) {
+        return tracing::Span::none();
+    }
     let span = rpc_span(method, "server");
     if enabled() {
-        let parent = TraceContextPropagator::new().extract(&MetadataExtractor(req.metadata()));
-        let _ = span.set_parent(parent);
+        let _ = span.set_parent(extract_http(headers));
     }
     span
 }

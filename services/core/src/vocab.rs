@@ -54,6 +54,27 @@ pub mod rpc {
     pub const KVBROKER_CANCEL_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/CancelTicket";
     pub const KVBROKER_RENEW_LEASE: &str = "pdmesh.kvbroker.v1.KvBroker/RenewLease";
     pub const KVBROKER_GET_AGENT: &str = "pdmesh.kvbroker.v1.KvBroker/GetAgent";
+
+    /// The methods served under a span of their own (the per-request ones;
+    /// polling and registration RPCs are left out so they do not flood the
+    /// trace backend with traces of one span).
+    pub const TRACED: &[&str] = &[
+        ROUTER_GENERATE,
+        TOKENIZER_ENCODE,
+        TOKENIZER_DETOKENIZE,
+        TOKENIZER_INFO,
+        PREFILL_PREFILL,
+        DECODE_GENERATE,
+        DECODE_WRITE_KV,
+        KVBROKER_OPEN_TICKET,
+        KVBROKER_CLAIM_TICKET,
+        KVBROKER_BEGIN_WRITE,
+        KVBROKER_COMPLETE_TICKET,
+        KVBROKER_WATCH_TICKET,
+        KVBROKER_CANCEL_TICKET,
+        KVBROKER_RENEW_LEASE,
+        KVBROKER_GET_AGENT,
+    ];
 }
 
 /// Span attribute keys.

@@ -230,7 +230,7 @@ impl pb::decode_server::Decode for Service {
     type GenerateStream = EventStream;
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
-        let span = telemetry::server_span(rpc::DECODE_GENERATE, &req);
+        let span = tracing::Span::current();
         match self.admit(req.into_inner(), span.clone()).await {
             Ok(s) => Ok(Response::new(s)),
             Err(e) => {
@@ -242,7 +242,7 @@ impl pb::decode_server::Decode for Service {
     }
 
     async fn write_kv(&self, req: Request<Streaming<pb::KvChunk>>) -> Result<Response<pb::WriteKvResponse>, Status> {
-        let span = telemetry::server_span(rpc::DECODE_WRITE_KV, &req);
+        let span = tracing::Span::current();
         let r = self.write_kv_inner(req.into_inner()).instrument(span.clone()).await;
         if let Ok(r) = &r {
             span.set_attribute(attr::TICKET_KV_BYTES, r.bytes as i64);

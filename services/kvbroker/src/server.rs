@@ -14,7 +14,7 @@ use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::error::Error;
 use crate::tickets::{is_terminal, Tickets};
-use pdmesh_core::vocab::{attr, rpc};
+use pdmesh_core::vocab::attr;
 
 pub use pdmesh_core::now_ms;
 
@@ -68,7 +68,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn get_agent(&self, req: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
-        let span = telemetry::server_span(rpc::KVBROKER_GET_AGENT, &req);
+        let span = tracing::Span::current();
         let id = req.into_inner().worker_id;
         let agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
         let a = agents.get(&id).cloned().ok_or(Error::UnknownAgent(id)).map_err(Status::from);
@@ -76,7 +76,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn open_ticket(&self, req: Request<pb::OpenTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span(rpc::KVBROKER_OPEN_TICKET, &req);
+        let span = tracing::Span::current();
         let r = req.into_inner();
         span.set_attribute(attr::TICKET_BLOCKS, r.dest_blocks.len() as i64);
         span.set_attribute(attr::TICKET_LEASE_MS, r.lease_ms as i64);
@@ -88,7 +88,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
 
     /// Waits (bounded by the caller's deadline) for the decode worker to open the ticket.
     async fn claim_ticket(&self, req: Request<pb::ClaimTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span(rpc::KVBROKER_CLAIM_TICKET, &req);
+        let span = tracing::Span::current();
         let r = req.into_inner();
         let mut rx = self.table().subscribe(&r.request_id, now_ms());
         let cur = match rx.wait_for(|t| state(t) != TicketState::Unspecified).instrument(span.clone()).await {
@@ -103,14 +103,14 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn begin_write(&self, req: Request<pb::BeginWriteRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span(rpc::KVBROKER_BEGIN_WRITE, &req);
+        let span = tracing::Span::current();
         let r = req.into_inner();
         let t = self.table().begin_write(&r.request_id, now_ms());
         traced(span, t.map_err(Error::from))
     }
 
     async fn complete_ticket(&self, req: Request<pb::CompleteTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span(rpc::KVBROKER_COMPLETE_TICKET, &req);
+        let span = tracing::Span::current();
         let r = req.into_inner();
         span.set_attribute(attr::TICKET_KV_BYTES, r.bytes as i64);
         let outcome = match r.outcome {
@@ -123,7 +123,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn cancel_ticket(&self, req: Request<pb::CancelTicketRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span(rpc::KVBROKER_CANCEL_TICKET, &req);
+        let span = tracing::Span::current();
         let r = req.into_inner();
         if r.request_id.is_empty() {
             return traced(span, Err(Error::Invalid("request_id is required".into())));
@@ -133,7 +133,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     }
 
     async fn renew_lease(&self, req: Request<pb::RenewLeaseRequest>) -> Result<Response<Ticket>, Status> {
-        let span = telemetry::server_span(rpc::KVBROKER_RENEW_LEASE, &req);
+        let span = tracing::Span::current();
         let r = req.into_inner();
         let t = self.lease(r.lease_ms).and_then(|lease| Ok(self.table().renew(&r.request_id, lease, now_ms())?));
         traced(span, t)
@@ -144,7 +144,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
     /// The current ticket, then each change, ending after a terminal state.
     async fn watch_ticket(&self, req: Request<pb::WatchTicketRequest>) -> Result<Response<TicketStream>, Status> {
         // The span lasts until the ticket ends (or the watcher goes away).
-        let span = telemetry::server_span(rpc::KVBROKER_WATCH_TICKET, &req);
+        let span = tracing::Span::current();
         let id = req.into_inner().request_id;
         if id.is_empty() {
             return telemetry::finish(&span, Err(Error::Invalid("request_id is required".into()).into()));

@@ -110,7 +110,17 @@ impl Batcher {
         let (q2, s2) = (q.clone(), stats.clone());
         std::thread::Builder::new()
             .name("prefill-loop".into())
-            .spawn(move || run(engine, q2, s2, max_batch.max(1), batch_tokens.max(1), kernel_spans))
+            .spawn(move || {
+                run(Loop {
+                    engine,
+                    q: q2,
+                    stats: s2,
+                    max_batch: max_batch.max(1),
+                    batch_tokens: batch_tokens.max(1),
+                    kernel_spans,
+                    pinned: Default::default(),
+                })
+            })
             .expect("spawn prefill loop");
         Batcher { _stop: Arc::new(StopOnDrop(q.clone())), q, stats }
     }
@@ -198,15 +208,7 @@ struct Loop {
     pinned: std::collections::HashMap<SeqId, u32>,
 }
 
-fn run(
-    engine: Engine,
-    q: Arc<Queue>,
-    stats: Arc<Stats>,
-    max_batch: usize,
-    batch_tokens: usize,
-    kernel_spans: KernelSpans,
-) {
-    let mut l = Loop { engine, q, stats, max_batch, batch_tokens, kernel_spans, pinned: Default::default() };
+fn run(mut l: Loop) {
     while let Some((batch, cmds)) = l.next() {
         l.apply(cmds);
         if !batch.is_empty() {

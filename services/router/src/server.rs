@@ -192,7 +192,7 @@ impl pb::router_server::Router for Service {
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<DeltaStream>, Status> {
         let router = self.0.clone();
-        let span = telemetry::server_span(rpc::ROUTER_GENERATE, &req);
+        let span = tracing::Span::current();
         let deadline =
             pdmesh_core::grpc::request_timeout(&req).map(|t| t.min(router.timeout)).unwrap_or(router.timeout);
         let (input, job) = match validate(req.into_inner(), router.max_stop, || router.fresh_request_id()) {

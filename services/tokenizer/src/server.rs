@@ -14,7 +14,7 @@ use pdmesh_core::telemetry::{self, SpanExt};
 use crate::error::Error;
 use crate::metrics::{self, outcome_of, Metrics};
 use pdmesh_core::metrics::Outcome;
-use pdmesh_core::vocab::{attr, rpc};
+use pdmesh_core::vocab::attr;
 
 pub struct Service {
     pub tok: Arc<Tokenizer>,
@@ -37,7 +37,7 @@ type TextStream = Pin<Box<dyn Stream<Item = Result<pb::DetokenizeResponse, Statu
 #[tonic::async_trait]
 impl pb::tokenizer_server::Tokenizer for Service {
     async fn encode(&self, req: Request<pb::EncodeRequest>) -> Result<Response<pb::EncodeResponse>, Status> {
-        let span = telemetry::server_span(rpc::TOKENIZER_ENCODE, &req);
+        let span = tracing::Span::current();
         let r = self.encode_inner(req.into_inner()).instrument(span.clone()).await;
         if let Ok(r) = &r {
             span.set_attribute(attr::TOKENS, r.ids.len() as i64);
@@ -51,7 +51,7 @@ impl pb::tokenizer_server::Tokenizer for Service {
 
     async fn detokenize(&self, req: Request<Streaming<pb::DetokenizeRequest>>) -> Result<Response<TextStream>, Status> {
         // The span lasts as long as the stream.
-        let span = telemetry::server_span(rpc::TOKENIZER_DETOKENIZE, &req);
+        let span = tracing::Span::current();
         let mut input = req.into_inner();
         let tok = self.tok.clone();
         let vocab = tok.vocab_size() as u32;
@@ -71,8 +71,7 @@ impl pb::tokenizer_server::Tokenizer for Service {
         Ok(Response::new(out))
     }
 
-    async fn info(&self, req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
-        let _span = telemetry::server_span(rpc::TOKENIZER_INFO, &req);
+    async fn info(&self, _req: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
         self.metrics.record(metrics::INFO, Outcome::Ok);
         Ok(Response::new(self.info.clone()))
     }
