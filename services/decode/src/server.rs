@@ -125,7 +125,7 @@ impl Service {
             }
             p.insert(r.request_id.clone(), seq);
         }
-        let mut res = Reservation {
+        let res = Reservation {
             batcher: self.batcher.clone(),
             pending: self.pending.clone(),
             request_id: r.request_id.clone(),
@@ -157,7 +157,7 @@ impl Service {
             )
         };
         let (await_kv, wspan) = (telemetry::Held(await_kv), telemetry::Held(wspan));
-        let mut watch = match broker.watch_ticket(watch).instrument(wspan.span().clone()).await {
+        let watch = match broker.watch_ticket(watch).instrument(wspan.span().clone()).await {
             Ok(w) => w.into_inner(),
             Err(e) => {
                 telemetry::record_status(wspan.span(), Some(&e));
@@ -169,51 +169,77 @@ impl Service {
         let _ = tx.send(Ok(pb::GenerateResponse {
             event: Some(pb::generate_response::Event::Admitted(pb::Admitted { kv_blocks: n_blocks })),
         }));
-        let batcher = self.batcher.clone();
-        let request_id = r.request_id;
-        let server = server.clone();
-        tokio::spawn(async move {
-            // Wait for the prefill's KV: the ticket turns DONE with the first token.
-            let end = loop {
-                tokio::select! {
-                    _ = tx.closed() => {
-                        cancel(broker.clone(), &request_id, "client went away before the first token");
-                        break Status::cancelled("client went away");
-                    }
-                    m = watch.message() => match m {
-                        Ok(Some(t)) => match ticket_state(&t) {
-                            kpb::TicketState::Done => {
-                                let Some(first) = t.first_token else {
-                                    break Status::internal("ticket done without a first token");
-                                };
-                                res.started = true;
-                                drop((wspan, await_kv));
-                                batcher.start_sequence(res.seq, first, tx, server);
-                                return;
-                            }
-                            kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired => break ticket_failure(&t),
-                            kpb::TicketState::Claimed | kpb::TicketState::Writing => {
-                                res.claimed = true;
-                                continue;
-                            }
-                            _ => continue,
-                        },
-                        Ok(None) | Err(_) => {
-                            // The broker is gone: a prefill may have claimed meanwhile.
-                            res.claimed = true;
-                            cancel(broker.clone(), &request_id, "decode lost the kvbroker watch");
-                            break Status::unavailable("kvbroker connection lost while waiting for the KV");
+        let waiting = Waiting {
+            watch,
+            tx,
+            broker,
+            request_id: r.request_id,
+            res,
+            batcher: self.batcher.clone(),
+            server: server.clone(),
+            spans: (wspan, await_kv),
+        };
+        tokio::spawn(waiting.run());
+        Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)))
+    }
+}
+
+/// An admitted request waiting for its prompt's KV: the ticket's watch
+/// turns DONE with the first token (then the sequence joins the batch), or
+/// ends otherwise (then the request ends with the reason, its blocks freed).
+struct Waiting {
+    watch: tonic::Streaming<kpb::Ticket>,
+    tx: Events,
+    broker: pdmesh_worker::BrokerClient,
+    request_id: String,
+    res: Reservation,
+    batcher: Batcher,
+    server: tracing::Span,
+    /// The WatchTicket client span and `await_kv`, ended when the wait does.
+    spans: (telemetry::Held, telemetry::Held),
+}
+
+impl Waiting {
+    async fn run(mut self) {
+        let end = loop {
+            tokio::select! {
+                _ = self.tx.closed() => {
+                    cancel(self.broker.clone(), &self.request_id, "client went away before the first token");
+                    break Status::cancelled("client went away");
+                }
+                m = self.watch.message() => match m {
+                    Ok(Some(t)) => match ticket_state(&t) {
+                        kpb::TicketState::Done => {
+                            let Some(first) = t.first_token else {
+                                break Status::internal("ticket done without a first token");
+                            };
+                            self.res.started = true;
+                            drop(self.spans);
+                            self.batcher.start_sequence(self.res.seq, first, self.tx, self.server);
+                            return;
                         }
+                        kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired => {
+                            break ticket_failure(&t)
+                        }
+                        kpb::TicketState::Claimed | kpb::TicketState::Writing => {
+                            self.res.claimed = true;
+                            continue;
+                        }
+                        _ => continue,
+                    },
+                    Ok(None) | Err(_) => {
+                        // The broker is gone: a prefill may have claimed meanwhile.
+                        self.res.claimed = true;
+                        cancel(self.broker.clone(), &self.request_id, "decode lost the kvbroker watch");
+                        break Status::unavailable("kvbroker connection lost while waiting for the KV");
                     }
                 }
-            };
-            batcher.stats.outcomes.inc(Outcome::of_code(end.code()));
-            telemetry::mark_error(await_kv.span(), end.message());
-            telemetry::record_status(&server, Some(&end));
-            let _ = tx.send(Err(end));
-            drop(res);
-        });
-        Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)))
+            }
+        };
+        self.batcher.stats.outcomes.inc(Outcome::of_code(end.code()));
+        telemetry::mark_error(self.spans.1.span(), end.message());
+        telemetry::record_status(&self.server, Some(&end));
+        let _ = self.tx.send(Err(end));
     }
 }
 
