@@ -29,13 +29,17 @@ pub struct Service {
     pub layout: KvLayout,
     pub lease_ms: u32,
     /// Sequences reserved and waiting for their KV, by request id.
-    pub pending: Arc<Mutex<HashMap<String, SeqId>>>,
+    pub pending: Pending,
 }
+
+/// Sequences reserved and waiting for their KV, by request id: the
+/// sequence and its prompt's length (what a `WriteKv` may carry).
+pub type Pending = Arc<Mutex<HashMap<String, (SeqId, u32)>>>;
 
 /// Frees a reserved sequence that never started (client gone, ticket failed).
 struct Reservation {
     batcher: Batcher,
-    pending: Arc<Mutex<HashMap<String, SeqId>>>,
+    pending: Pending,
     request_id: String,
     seq: SeqId,
     started: bool,
@@ -123,7 +127,7 @@ impl Service {
                 self.batcher.release(seq);
                 return Err(Status::already_exists(format!("request {} is already admitted here", r.request_id)));
             }
-            p.insert(r.request_id.clone(), seq);
+            p.insert(r.request_id.clone(), (seq, n_prompt));
         }
         let res = Reservation {
             batcher: self.batcher.clone(),
@@ -300,12 +304,19 @@ impl Service {
                 self.layout
             )));
         }
-        let seq = *self
+        let (seq, n_prompt) = *self
             .pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&first.request_id)
             .ok_or_else(|| Status::not_found(format!("no reservation for request {} here", first.request_id)))?;
+        // Checked before anything is allocated: the sender does not size our buffers.
+        if first.n_tokens != n_prompt {
+            return Err(Status::invalid_argument(format!(
+                "the KV carries {} positions; request {} reserved {n_prompt}",
+                first.n_tokens, first.request_id
+            )));
+        }
         let n_tokens = first.n_tokens as usize;
         let expected = layout.blocks_for(n_tokens) * layout.block_bytes();
         let mut bytes = Vec::with_capacity(expected);

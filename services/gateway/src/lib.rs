@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -164,15 +164,44 @@ impl ClientWait {
     }
 }
 
-async fn completions(State(g): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
-    handle(g, headers, body, Kind::Completion).await
+/// The request body, or the error response for a body that could not be
+/// read (larger than `--max-body-bytes`: 413).
+type ReqBody = Result<Bytes, Response>;
+
+async fn completions(State(g): State<Arc<Gateway>>, req: axum::extract::Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = read_body(&parts.headers, body, g.config.max_body_bytes).await;
+    handle(g, parts.headers, body, Kind::Completion).await
 }
 
-async fn chat(State(g): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
-    handle(g, headers, body, Kind::Chat).await
+async fn chat(State(g): State<Arc<Gateway>>, req: axum::extract::Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = read_body(&parts.headers, body, g.config.max_body_bytes).await;
+    handle(g, parts.headers, body, Kind::Chat).await
 }
 
-async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
+/// Read at most `limit` bytes of body. A body declared larger is refused
+/// before any of it is read.
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> ReqBody {
+    use http_body_util::BodyExt;
+    let too_large = || {
+        let msg = format!("request body is larger than the limit of {limit} bytes");
+        error_body(413, &msg, "invalid_request_error", None, Some("request_too_large"))
+    };
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => {
+            Err(error_body(400, &format!("request body could not be read: {e}"), "invalid_request_error", None, None))
+        }
+    }
+}
+
+async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind) -> Response {
     g.in_flight.fetch_add(1, Ordering::Relaxed);
     let path = match kind {
         Kind::Chat => "/v1/chat/completions",
@@ -418,8 +447,12 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: Bytes, kind: Kind) -> Reply {
+async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind) -> Reply {
     let chat = matches!(kind, Kind::Chat);
+    let body = match body {
+        Ok(b) => b,
+        Err(r) => return Reply::Done(r),
+    };
     let mut parsed = match openai::parse(&body, kind, &g.config.model_name, g.config.default_max_tokens) {
         Ok(p) => p,
         Err(e) => return Reply::Done(bad_request(e)),
@@ -544,6 +577,11 @@ async fn health(State(g): State<Arc<Gateway>>) -> Response {
     }
 }
 
+async fn method_not_allowed() -> Response {
+    let msg = "method not allowed: use POST for /v1/chat/completions and /v1/completions, GET for /v1/models";
+    error_body(405, msg, "invalid_request_error", None, Some("method_not_allowed"))
+}
+
 async fn not_found() -> Response {
     error_body(
         404,
@@ -578,7 +616,7 @@ pub async fn serve(
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(g.clone());
     let addr = listener.local_addr()?;
     // Serve at once (requests get 503 until a router appears); ready and

@@ -16,6 +16,39 @@ const LEASE_MS: u64 = 3000;
 /// Lease + quarantine + slack.
 const RELEASED_WITHIN: Duration = Duration::from_secs(10);
 
+/// A WriteKv claiming more positions than its request reserved is refused
+/// before anything is allocated; the decode frees the reservation and keeps
+/// serving.
+async fn oversized_write_kv_is_refused(mesh: &Mesh) {
+    use pdmesh_proto::common::v1 as cpb;
+    use pdmesh_proto::decode::v1 as dpb;
+    let d = mesh.instance("decode").await;
+    let ch =
+        tonic::transport::Channel::from_shared(format!("http://{}", d.grpc_addr)).unwrap().connect().await.unwrap();
+    let mut dc = dpb::decode_client::DecodeClient::new(ch);
+    let gen = dpb::GenerateRequest {
+        request_id: "hostile-writer".into(),
+        prompt_ids: vec![1, 2, 3],
+        max_tokens: 4,
+        ..Default::default()
+    };
+    let mut admitted = dc.generate(gen).await.unwrap().into_inner();
+    admitted.message().await.unwrap().expect("the decode admits the request");
+    let layout = cpb::KvLayout { n_layers: 30, n_kv_heads: 3, head_dim: 64, block_size: 16, dtype: "f16".into() };
+    let chunk = dpb::KvChunk {
+        request_id: "hostile-writer".into(),
+        layout: Some(layout),
+        n_tokens: u32::MAX,
+        ..Default::default()
+    };
+    let e = dc.write_kv(tokio_stream::iter(vec![chunk])).await.expect_err("an oversized WriteKv is refused");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("reserved 3"), "{e:?}");
+    drop(admitted);
+    mesh.assert_released(RELEASED_WITHIN).await;
+    works(mesh).await;
+}
+
 async fn works(mesh: &Mesh) {
     let mut r = mesh.router().await;
     let o = run(&mut r, raw_request("The capital of France is", 4)).await.expect("a request after the fault");
@@ -113,6 +146,9 @@ async fn kv_transfer_faults_free_everything() {
     })
     .await;
     assert!(ok, "new transfers never succeeded after the broker restart");
+
+    // 7. A hostile KV write.
+    oversized_write_kv_is_refused(&mesh).await;
 }
 
 /// 200 requests at concurrency 32, half cancelled at random moments: no

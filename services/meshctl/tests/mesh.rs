@@ -93,6 +93,23 @@ async fn mesh_end_to_end() {
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
     }
+    // A body declared larger than --max-body-bytes is refused before it is read.
+    let (st, resp) = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&mesh.gateway).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+        let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
+        write!(s, "{head}Content-Length: {}\r\nConnection: close\r\n\r\n", 5 << 20).unwrap();
+        let mut raw = Vec::new();
+        let _ = s.read_to_end(&mut raw);
+        common::parse_response(&raw)
+    };
+    assert_eq!(st, 413, "{resp}");
+    assert!(resp.contains("larger than the limit of 4194304 bytes") && resp.contains("\"error\""), "{resp}");
+    let (st, resp) = pdmesh_testkit::http_get(&mesh.gateway, "/v1/chat/completions");
+    assert_eq!(st, 405, "{resp}");
+    let v: serde_json::Value = serde_json::from_str(&resp).unwrap_or_else(|_| panic!("405 body is not JSON: {resp}"));
+    assert_eq!(v["error"]["code"], "method_not_allowed", "{resp}");
     let (st, resp) = mesh.post("/v1/chat/completions", &chat_body("Say hi", r#","max_tokens":4,"temperature":0"#), &[]);
     assert_eq!(st, 200, "{resp}");
     // A client that reuses its request id is served every time.

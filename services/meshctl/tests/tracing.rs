@@ -37,6 +37,9 @@ fn complete(spans: &[Span]) -> bool {
     spans.iter().any(|s| s.service == "pdmesh-gateway" && s.kind == "server")
         && spans.iter().any(|s| s.name == "decode_loop")
         && spans.iter().any(|s| s.name == "detokenize")
+        // The tokenizer's side of the detokenize stream ends (and is
+        // exported) on its own clock, at about the time the router's does.
+        && spans.iter().any(|s| s.service == "pdmesh-tokenizer" && s.name.ends_with("/Detokenize") && s.kind == "server")
         && roots(spans).len() == 1
 }
 
