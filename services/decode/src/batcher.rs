@@ -55,7 +55,7 @@ pub struct Batcher {
 }
 
 fn gone() -> EngineError {
-    EngineError::InvalidArgument("decode loop has stopped".into())
+    EngineError::Unavailable("the decode loop has stopped".into())
 }
 
 impl Batcher {

@@ -31,6 +31,12 @@ pub enum EngineError {
     KvMismatch(String),
     #[error("model fetch failed: {0}")]
     Fetch(#[from] pdmesh_model::FetchError),
+    /// The engine's loop is gone (its thread stopped): the worker cannot serve.
+    #[error("engine unavailable: {0}")]
+    Unavailable(String),
+    /// A batched step failed for reasons of its own, not of one request.
+    #[error("engine step failed: {0}")]
+    StepFailed(String),
 }
 
 impl EngineError {
@@ -50,6 +56,8 @@ impl EngineError {
             EngineError::UnknownSequence(_) => "unknown_sequence",
             EngineError::KvMismatch(_) => "kv_mismatch",
             EngineError::Fetch(_) => "fetch",
+            EngineError::Unavailable(_) => "unavailable",
+            EngineError::StepFailed(_) => "step_failed",
         }
     }
 

@@ -145,7 +145,7 @@ impl Batcher {
             self.stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
         }
         self.q.wake.notify_one();
-        rx.await.map_err(|_| EngineError::InvalidArgument("prefill loop has stopped".into()))?
+        rx.await.map_err(|_| EngineError::Unavailable("the prefill loop has stopped".into()))?
     }
 }
 
@@ -168,7 +168,7 @@ impl Pinned {
     pub async fn export(&self) -> Result<KvBlob, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.q.command(Cmd::Export { seq: self.p.seq, reply });
-        rx.await.map_err(|_| EngineError::InvalidArgument("prefill loop has stopped".into()))?
+        rx.await.map_err(|_| EngineError::Unavailable("the prefill loop has stopped".into()))?
     }
 }
 
@@ -339,7 +339,7 @@ impl Loop {
             Err(e) => {
                 for (id, job) in admitted {
                     let _ = self.engine.release(id);
-                    let _ = job.reply.send(Err(EngineError::InvalidArgument(format!("prefill step failed: {e}"))));
+                    let _ = job.reply.send(Err(EngineError::StepFailed(format!("prefill: {e}"))));
                 }
                 return;
             }

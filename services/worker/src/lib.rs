@@ -157,6 +157,7 @@ pub fn status(e: &EngineError) -> Status {
         EngineError::KvFull { .. } => Status::resource_exhausted(msg),
         EngineError::UnknownSequence(_) => Status::not_found(msg),
         EngineError::KvMismatch(_) => Status::failed_precondition(msg),
+        EngineError::Unavailable(_) => Status::unavailable(msg),
         e if e.is_bad_input() => Status::invalid_argument(msg),
         _ => Status::internal(msg),
     }
@@ -361,5 +362,20 @@ impl<T> Started<T> {
             layout: Some(layout_to_wire(&self.engine.kv.layout)),
             ..Default::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_failures_are_never_the_clients_fault() {
+        let code = |e: EngineError| status(&e).code();
+        assert_eq!(code(EngineError::Unavailable("loop stopped".into())), tonic::Code::Unavailable);
+        assert_eq!(code(EngineError::StepFailed("x".into())), tonic::Code::Internal);
+        assert_eq!(code(EngineError::KvFull { needed: 2, free: 1, total: 8 }), tonic::Code::ResourceExhausted);
+        assert_eq!(code(EngineError::BadToken(99_999)), tonic::Code::InvalidArgument);
+        assert!(!EngineError::StepFailed("x".into()).is_bad_input());
     }
 }
