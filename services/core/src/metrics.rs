@@ -89,12 +89,21 @@ impl Histogram {
     /// slow bucket leads to a trace that shows why.
     pub fn observe_traced(&self, v: f64, trace_id: Option<&str>) {
         let i = self.bounds.iter().position(|b| v <= *b).unwrap_or(self.bounds.len());
+        let unix_s = trace_id.map(|_| crate::now_ms() as f64 / 1e3);
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         g.counts[i] += 1;
         g.sum += v;
         g.count += 1;
-        if let Some(t) = trace_id {
-            g.exemplars[i] = Some(Exemplar { trace_id: t.to_string(), value: v, unix_s: crate::now_ms() as f64 / 1e3 });
+        if let (Some(t), Some(unix_s)) = (trace_id, unix_s) {
+            // Reuse the bucket's string: traced inter-token gaps come once per token.
+            match &mut g.exemplars[i] {
+                Some(e) => {
+                    e.trace_id.clear();
+                    e.trace_id.push_str(t);
+                    (e.value, e.unix_s) = (v, unix_s);
+                }
+                slot => *slot = Some(Exemplar { trace_id: t.to_string(), value: v, unix_s }),
+            }
         }
     }
 
