@@ -118,6 +118,10 @@ pub mod attr {
     pub const QUEUE_HELD_MS: &str = "queue.held_ms";
     pub const BATCH_SIZE: &str = "batch_size";
     pub const BATCH_TOKENS: &str = "batch_tokens";
+    /// `prefill_forward`: prompt tokens whose KV came from the prefix cache.
+    pub const PREFILL_CACHED_TOKENS: &str = "prefill.cached_tokens";
+    /// `prefill_forward`: prompt tokens computed in this request's prefill.
+    pub const PREFILL_COMPUTED_TOKENS: &str = "prefill.computed_tokens";
 
     // KV transfer.
     pub const KV_TRANSPORT: &str = "kv.transport";

@@ -204,7 +204,7 @@ impl Loop {
     fn handle(&mut self, c: Cmd) {
         match c {
             Cmd::Reserve { prompt, params, reply } => {
-                let r = self.engine.add_sequence(prompt, params).and_then(|id| {
+                let r = self.engine.reserve_sequence(prompt, params).and_then(|id| {
                     let blocks = self.engine.blocks(id)?.to_vec();
                     Ok((id, blocks))
                 });
@@ -284,7 +284,7 @@ impl Loop {
         };
         let mut alive = s.events.send(Ok(tok)).is_ok();
         if let Some(f) = ev.finish {
-            let usage = common::Usage { prompt_tokens: s.n_prompt, completion_tokens: s.n_generated };
+            let usage = common::Usage { prompt_tokens: s.n_prompt, completion_tokens: s.n_generated, cached_tokens: 0 };
             let fin = pb::GenerateResponse {
                 event: Some(pb::generate_response::Event::Finished(pb::Finished {
                     reason: reason(f),

@@ -6,9 +6,12 @@ use std::collections::HashMap;
 use pdmesh_kernels::pool::Pool;
 use serde::Serialize;
 
+use pdmesh_prefix::BlockHash;
+
+use crate::blocks::PrefixConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::{KvBlob, KvCache, KvLayout};
-use crate::model::{BatchItem, Model, Scratch, StepOptions};
+use crate::model::{BatchItem, Model, Scratch, StepOptions, SumOrder};
 use crate::sampler::{sample, SamplingParams};
 
 pub type SeqId = u64;
@@ -24,11 +27,14 @@ pub struct EngineOptions {
     pub threads: usize,
     /// Most prompt tokens one prefill step feeds (chunked prefill).
     pub prefill_chunk: usize,
+    /// Prefix cache: most full prompt blocks kept for reuse once no
+    /// sequence holds them (0 = no prefix cache).
+    pub prefix_cache_blocks: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { block_size: 16, kv_blocks: 2048, threads: 0, prefill_chunk: 512 }
+        EngineOptions { block_size: 16, kv_blocks: 2048, threads: 0, prefill_chunk: 512, prefix_cache_blocks: 0 }
     }
 }
 
@@ -59,11 +65,45 @@ struct Sequence {
     blocks: Vec<u32>,
     params: SamplingParams,
     finish: Option<FinishReason>,
+    /// Chained hashes of the prompt's full blocks (empty without a prefix cache).
+    hashes: Vec<BlockHash>,
+    /// Leading prompt blocks stored in (or found in) the prefix cache.
+    n_stored: usize,
+    /// Prompt positions whose KV came from the prefix cache.
+    n_reused: usize,
 }
 
 impl Sequence {
     fn generated(&self) -> usize {
         self.tokens.len() - self.n_prompt
+    }
+
+    /// How many pending tokens the next step feeds (at most `chunk`), and
+    /// in which summation order. Prompt positions run in the chunks a cold
+    /// prefill of the whole prompt would use (`[k * chunk, (k + 1) *
+    /// chunk)`), in that chunk's order, so a prompt whose head came from
+    /// the prefix cache gets the same bits as one computed from scratch.
+    fn next_run(&self, chunk: usize) -> (usize, SumOrder) {
+        let pending = self.tokens.len() - self.n_cached;
+        if self.n_cached >= self.n_prompt {
+            let n = pending.min(chunk);
+            return (n, if n == 1 { SumOrder::VecDot } else { SumOrder::Gemm });
+        }
+        let cold_start = self.n_cached / chunk * chunk;
+        let cold_end = (cold_start + chunk).min(self.n_prompt);
+        let order = if cold_end - cold_start == 1 { SumOrder::VecDot } else { SumOrder::Gemm };
+        (cold_end - self.n_cached, order)
+    }
+
+    /// Put the prompt's newly computed full blocks in the prefix cache.
+    fn store_blocks(&mut self, kv: &mut KvCache) {
+        let Some((seed, bs)) = kv.blocks.hashing() else { return };
+        let full = (self.n_cached.min(self.n_prompt) / bs).min(self.hashes.len());
+        for i in self.n_stored..full {
+            let parent = if i == 0 { seed } else { self.hashes[i - 1] };
+            kv.blocks.store(self.blocks[i], self.hashes[i], parent, &self.tokens[i * bs..(i + 1) * bs]);
+        }
+        self.n_stored = self.n_stored.max(full);
     }
 }
 
@@ -91,8 +131,13 @@ impl Engine {
             head_dim: c.head_dim,
             block_size: options.block_size,
         };
+        let prefix = PrefixConfig {
+            capacity: options.prefix_cache_blocks,
+            seed: pdmesh_prefix::seed(&model.identity(), options.block_size),
+            block_size: options.block_size,
+        };
         Ok(Engine {
-            kv: KvCache::new(layout, options.kv_blocks),
+            kv: KvCache::with_prefix(layout, options.kv_blocks, Some(prefix)),
             pool: Pool::new(options.threads),
             scratch: Scratch::default(),
             seqs: HashMap::new(),
@@ -114,7 +159,20 @@ impl Engine {
     /// Admit a sequence: validate, and reserve KV blocks for the prompt plus
     /// `max_tokens` (so it can never run out mid-generation). Fails with
     /// `KvFull` without side effects when the blocks are not free.
+    /// With a prefix cache, the prompt's longest cached prefix is reused
+    /// and only the rest is computed.
     pub fn add_sequence(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SeqId> {
+        self.admit(prompt, params, true)
+    }
+
+    /// [`Engine::add_sequence`] without prefix reuse: for a sequence whose
+    /// prompt KV will be imported (the decode side), which must own every
+    /// block it writes into.
+    pub fn reserve_sequence(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SeqId> {
+        self.admit(prompt, params, false)
+    }
+
+    fn admit(&mut self, prompt: Vec<u32>, params: SamplingParams, reuse: bool) -> Result<SeqId> {
         params.validate()?;
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -133,12 +191,49 @@ impl Engine {
                 context,
             });
         }
-        let blocks = self.kv.allocate(self.kv.layout.blocks_for(needed))?;
+        let (hashes, mut blocks) = if reuse { self.reuse(&prompt) } else { (Vec::new(), Vec::new()) };
+        let n_shared = blocks.len();
+        match self.kv.allocate(self.kv.layout.blocks_for(needed) - blocks.len()) {
+            Ok(fresh) => blocks.extend(fresh),
+            Err(e) => {
+                self.kv.release(&blocks);
+                return Err(e);
+            }
+        }
         let id = self.next_id;
         self.next_id += 1;
         let n_prompt = prompt.len();
-        self.seqs.insert(id, Sequence { tokens: prompt, n_prompt, n_cached: 0, blocks, params, finish: None });
+        let n_reused = n_shared * self.kv.layout.block_size;
+        let seq = Sequence {
+            tokens: prompt,
+            n_prompt,
+            n_cached: n_reused,
+            blocks,
+            params,
+            finish: None,
+            hashes,
+            n_stored: n_shared,
+            n_reused,
+        };
+        self.seqs.insert(id, seq);
         Ok(id)
+    }
+
+    /// The prompt's full-block hashes and the cached blocks holding its
+    /// longest cached prefix, now held for the caller. The last prompt
+    /// token is always computed (its logits pick the first token), so a
+    /// prompt that is all cached still runs its last block.
+    fn reuse(&mut self, prompt: &[u32]) -> (Vec<BlockHash>, Vec<u32>) {
+        let Some((seed, bs)) = self.kv.blocks.hashing() else { return (Vec::new(), Vec::new()) };
+        let hashes = pdmesh_prefix::chain(seed, bs, prompt, usize::MAX);
+        let reusable = (prompt.len() - 1) / bs;
+        let found = self.kv.blocks.lookup(&hashes[..reusable.min(hashes.len())], prompt);
+        (hashes, found)
+    }
+
+    /// Prompt positions of a sequence whose KV came from the prefix cache.
+    pub fn reused_tokens(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.n_reused)
     }
 
     /// Free a sequence's blocks and forget it. Unknown ids are an error.
@@ -193,23 +288,25 @@ impl Engine {
             if pending == 0 {
                 return Err(EngineError::InvalidArgument(format!("sequence {id} has no pending tokens")));
             }
-            let n = pending.min(chunk.max(1));
-            plan.push((*id, s.n_cached, n, n == pending));
+            let (n, order) = s.next_run(chunk.max(1));
+            plan.push((*id, s.n_cached, n, n == pending, order));
         }
         let items: Vec<BatchItem<'_>> = plan
             .iter()
-            .map(|(id, start, n, last)| {
+            .map(|(id, start, n, last, order)| {
                 let s = &self.seqs[id];
-                BatchItem { tokens: &s.tokens[*start..start + n], start_pos: *start, blocks: &s.blocks, logits: *last }
+                let tokens = &s.tokens[*start..start + n];
+                BatchItem { tokens, start_pos: *start, blocks: &s.blocks, logits: *last, order: *order }
             })
             .collect();
         let logits = self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch, opts)?;
         let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
         let mut li = 0;
-        for (id, _, n, last) in plan {
+        for (id, _, n, last, _) in plan {
             let s = self.seqs.get_mut(&id).expect("planned sequence exists");
             s.n_cached += n;
+            s.store_blocks(&mut self.kv);
             if last {
                 out.push((id, logits[li * vocab..(li + 1) * vocab].to_vec()));
                 li += 1;
@@ -338,7 +435,7 @@ impl Engine {
             )));
         }
         let prompt = tokens[..prompt_len].to_vec();
-        let id = self.add_sequence(prompt, params)?;
+        let id = self.reserve_sequence(prompt, params)?;
         let s = self.seqs.get_mut(&id).expect("just added");
         if let Err(e) = self.kv.import(&s.blocks, blob) {
             self.release(id)?;

@@ -10,6 +10,7 @@
 use half::f16;
 use serde::{Deserialize, Serialize};
 
+use crate::blocks::{Blocks, PrefixConfig};
 use crate::error::{EngineError, Result};
 
 /// Shape of the cache; two caches can exchange blocks only if equal.
@@ -97,8 +98,8 @@ fn zeroed_f16(n: usize) -> Vec<f16> {
 pub struct KvCache {
     pub layout: KvLayout,
     data: Vec<f16>,
-    free: Vec<u32>,
-    n_blocks: usize,
+    /// Which blocks are free, held or cached for prefix reuse.
+    pub blocks: Blocks,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -106,22 +107,22 @@ impl std::fmt::Debug for KvCache {
         f.debug_struct("KvCache")
             .field("layout", &self.layout)
             .field("used", &self.used())
-            .field("total", &self.n_blocks)
+            .field("total", &self.total())
             .finish()
     }
 }
 
 impl KvCache {
+    /// An arena of `n_blocks` with no prefix cache.
     pub fn new(layout: KvLayout, n_blocks: usize) -> KvCache {
+        KvCache::with_prefix(layout, n_blocks, None)
+    }
+
+    /// An arena whose full prompt blocks are kept for reuse as `prefix` says.
+    pub fn with_prefix(layout: KvLayout, n_blocks: usize, prefix: Option<PrefixConfig>) -> KvCache {
         let data = zeroed_f16(layout.block_elems() * n_blocks);
         advise_huge_pages(data.as_ptr() as *mut u8, data.len() * 2);
-        KvCache {
-            layout,
-            data,
-            // Pop from the end: lowest ids first.
-            free: (0..n_blocks as u32).rev().collect(),
-            n_blocks,
-        }
+        KvCache { layout, data, blocks: Blocks::new(n_blocks, prefix) }
     }
 
     /// The arena's address and size in bytes: block `b` occupies
@@ -135,31 +136,25 @@ impl KvCache {
     }
 
     pub fn total(&self) -> usize {
-        self.n_blocks
+        self.blocks.total()
     }
+    /// Blocks an allocation can take (free, or cached and unreferenced).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.blocks.available()
     }
+    /// Blocks held by sequences.
     pub fn used(&self) -> usize {
-        self.n_blocks - self.free.len()
+        self.blocks.held()
     }
 
-    /// Take `n` blocks, or none at all if fewer are free.
+    /// Take `n` blocks, or none at all if fewer are available.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>> {
-        if n > self.free.len() {
-            return Err(EngineError::KvFull { needed: n, free: self.free.len(), total: self.n_blocks });
-        }
-        Ok(self.free.split_off(self.free.len() - n))
+        self.blocks.allocate(n)
     }
 
-    /// Return blocks to the free list. Ids out of range are ignored.
+    /// Drop one reference to each block. Ids out of range are ignored.
     pub fn release(&mut self, blocks: &[u32]) {
-        for b in blocks {
-            if (*b as usize) < self.n_blocks {
-                debug_assert!(!self.free.contains(b), "double free of KV block {b}");
-                self.free.push(*b);
-            }
-        }
+        self.blocks.release(blocks)
     }
 
     /// Store one head's key (kv=0) or value (kv=1) row for position `pos`.

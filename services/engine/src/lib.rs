@@ -7,6 +7,7 @@
 //! - [`tokenizer`]: byte-level BPE, chat template, incremental detokenizer;
 //! - [`model`]: the batched llama forward pass;
 //! - [`kv`]: the paged KV cache, whose blocks export and import as bytes;
+//!   [`blocks`]: which blocks are free, held, or cached for prefix reuse;
 //! - [`engine`]: sequences, batched `prefill`/`decode` steps, sampling
 //!   ([`sampler`]), and a continuous-batching `generate_all`;
 //!
@@ -22,6 +23,7 @@
 //! ```
 
 pub mod bench;
+pub mod blocks;
 pub mod config;
 pub mod engine;
 pub mod error;

@@ -121,6 +121,7 @@ fn engine_options(e: &EngineArgs) -> EngineOptions {
         kv_blocks: e.kv_blocks,
         threads: e.threads,
         prefill_chunk: e.prefill_chunk,
+        prefix_cache_blocks: 0,
     }
 }
 

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use std::path::Path;
 
-use pdmesh_kernels::attention::{attend_group, KvView, SumOrder, VALUE_PAD};
+pub use pdmesh_kernels::attention::SumOrder;
+use pdmesh_kernels::attention::{attend_group, KvView, VALUE_PAD};
 use pdmesh_kernels::matmul::{matmul, quantize_rows, QActs, QData, QMatrix};
 use pdmesh_kernels::pool::{Pool, SyncPtr};
 use pdmesh_kernels::quant::{cast_blocks, dequantize_q4_1, dequantize_q8_0, BlockQ4_1, BlockQ8_0, QK};
@@ -145,6 +146,9 @@ pub struct BatchItem<'a> {
     pub blocks: &'a [u32],
     /// Return logits for the last token of this item.
     pub logits: bool,
+    /// Summation order of this item's attention (llama.cpp's choice for
+    /// the step that would have run these positions; see [`SumOrder`]).
+    pub order: SumOrder,
 }
 
 /// Reusable activation buffers for one engine.
@@ -287,6 +291,21 @@ impl Model {
             })
             .sum();
         l + self.tok_embd.bytes() + self.output.as_ref().map_or(0, |w| w.bytes()) + self.output_norm.len() * 4
+    }
+
+    /// What, beside the tokens, decides a KV block's contents: the config,
+    /// the weights' size, and a sample of the weights (the first bytes of
+    /// every layer's key and value projections). Seeds the prefix hashes.
+    pub fn identity(&self) -> Vec<u8> {
+        let mut id = serde_json::to_vec(&self.config).unwrap_or_default();
+        id.extend_from_slice(&(self.weight_bytes() as u64).to_le_bytes());
+        for l in &self.layers {
+            for w in [&l.wk, &l.wv] {
+                let bytes = &w.map[w.range.clone()];
+                id.extend_from_slice(&bytes[..bytes.len().min(64)]);
+            }
+        }
+        id
     }
 
     /// Run one step. Returns `vocab_size` logits for each item with
@@ -484,7 +503,7 @@ impl Model {
             let (i, h, row0, q0, q1) = tasks[t];
             let item = &batch[i];
             let n_ctx = item.start_pos + q1;
-            let order = if item.tokens.len() == 1 { SumOrder::VecDot } else { SumOrder::Gemm };
+            let order = item.order;
             ATT_SCRATCH.with(|cell| {
                 let (keys, vals_t, scores) = &mut *cell.borrow_mut();
                 let stride = n_ctx.next_multiple_of(VALUE_PAD);

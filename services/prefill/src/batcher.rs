@@ -8,13 +8,16 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::MutexGuard;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::vocab::{attr, span};
+use pdmesh_engine::blocks::PrefixCounters;
 use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId, TokenEvent};
+use pdmesh_prefix::{BlockHash, CacheLog};
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 
@@ -37,6 +40,8 @@ pub struct Prefilled {
     /// Blocks holding the prompt's positions, in order.
     pub blocks: Vec<u32>,
     pub n_tokens: usize,
+    /// Prompt positions whose KV came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 enum Cmd {
@@ -59,7 +64,37 @@ pub struct Stats {
     pub transfers_nixl: AtomicU64,
     pub transfers_tcp: AtomicU64,
     pub outcomes: Outcomes,
+    /// Prompt tokens queued, not yet in a step.
+    pub queued_tokens: AtomicU64,
+    /// Bytes of one KV block.
+    pub block_bytes: usize,
+    /// The prefix cache as the loop last published it.
+    pub prefix: Mutex<PrefixView>,
 }
+
+/// The prefix cache seen from outside the loop: its counters, its block
+/// states, and the log of what it holds that routers follow.
+pub struct PrefixView {
+    /// `(seed, block_size)` of the chained hashes; None: no prefix cache.
+    pub hashing: Option<(BlockHash, usize)>,
+    pub counters: PrefixCounters,
+    /// Cached blocks, held or not.
+    pub cached: usize,
+    /// Cached blocks no sequence holds (evictable).
+    pub evictable: usize,
+    /// Blocks on the free list.
+    pub free: usize,
+    pub log: CacheLog,
+}
+
+impl Stats {
+    pub fn prefix(&self) -> MutexGuard<'_, PrefixView> {
+        self.prefix.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Events a router may lag behind before it must reload the whole set.
+const CACHE_LOG_KEEP: usize = 16_384;
 
 #[derive(Default)]
 struct State {
@@ -105,6 +140,16 @@ impl Batcher {
             transfers_nixl: AtomicU64::new(0),
             transfers_tcp: AtomicU64::new(0),
             outcomes: Outcomes::default(),
+            queued_tokens: AtomicU64::new(0),
+            block_bytes: engine.kv.layout.block_bytes(),
+            prefix: Mutex::new(PrefixView {
+                hashing: engine.kv.blocks.hashing(),
+                counters: PrefixCounters::default(),
+                cached: 0,
+                evictable: 0,
+                free: engine.kv.total(),
+                log: CacheLog::new(pdmesh_prefix::fresh_epoch(), CACHE_LOG_KEEP),
+            }),
         });
         let q = Arc::new(Queue { state: Mutex::new(State::default()), wake: Condvar::new() });
         let (q2, s2) = (q.clone(), stats.clone());
@@ -141,6 +186,7 @@ impl Batcher {
                 { attr::PROMPT_TOKENS } = prompt.len() as i64,
                 { attr::QUEUE_HELD_MS } = tracing::field::Empty,
             );
+            self.stats.queued_tokens.fetch_add(prompt.len() as u64, Ordering::Relaxed);
             g.jobs.push_back(Job { prompt, params, reply, span, queued, enqueued: Instant::now() });
             self.stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
         }
@@ -257,6 +303,7 @@ impl Loop {
             batch.push(g.jobs.pop_front().expect("front exists"));
         }
         stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
+        stats.queued_tokens.store(g.jobs.iter().map(|j| j.prompt.len() as u64).sum(), Ordering::Relaxed);
         Some((batch, std::mem::take(&mut g.cmds)))
     }
 
@@ -276,9 +323,17 @@ impl Loop {
         self.publish();
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
         self.stats.kv_pinned.store(self.pinned.values().sum(), Ordering::Relaxed);
         self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
+        let blocks = &mut self.engine.kv.blocks;
+        let events = blocks.take_events();
+        let mut p = self.stats.prefix();
+        p.log.apply(events);
+        p.counters = blocks.counters();
+        p.cached = blocks.cached();
+        p.evictable = blocks.evictable();
+        p.free = blocks.available() - blocks.evictable();
     }
 
     /// One batched prompt forward: admit, run, deliver each first token.
@@ -291,10 +346,12 @@ impl Loop {
             .map(|job| {
                 job.queued = tracing::Span::none(); // ends the `queued` span
                 tracing::info_span!(parent: &job.span, span::PREFILL_FORWARD, { attr::BATCH_SIZE } = n_batch as i64,
-                    { attr::BATCH_TOKENS } = batch_tokens as i64, { attr::PROMPT_TOKENS } = job.prompt.len() as i64)
+                    { attr::BATCH_TOKENS } = batch_tokens as i64, { attr::PROMPT_TOKENS } = job.prompt.len() as i64,
+                    { attr::PREFILL_CACHED_TOKENS } = tracing::field::Empty,
+                    { attr::PREFILL_COMPUTED_TOKENS } = tracing::field::Empty)
             })
             .collect();
-        let admitted = self.admit(batch);
+        let admitted = self.admit(batch, &forwards);
         if !admitted.is_empty() {
             let ids: Vec<SeqId> = admitted.iter().map(|(id, _)| *id).collect();
             let step = pdmesh_worker::step_span(span::PREFILL_STEP, forwards.iter(), n_batch);
@@ -317,12 +374,17 @@ impl Loop {
 
     /// Add each prompt to the engine (only the prompt: the decode worker
     /// holds the rest); a prompt that cannot be added is answered at once.
-    fn admit(&mut self, batch: Vec<Job>) -> Vec<(SeqId, Job)> {
+    fn admit(&mut self, batch: Vec<Job>, forwards: &[tracing::Span]) -> Vec<(SeqId, Job)> {
         let mut admitted = Vec::new();
-        for job in batch {
+        for (job, forward) in batch.into_iter().zip(forwards) {
             let params = SamplingParams { max_tokens: 1, ..job.params.clone() };
             match self.engine.add_sequence(job.prompt.clone(), params) {
-                Ok(id) => admitted.push((id, job)),
+                Ok(id) => {
+                    let cached = self.engine.reused_tokens(id).unwrap_or(0);
+                    forward.record(attr::PREFILL_CACHED_TOKENS, cached as i64);
+                    forward.record(attr::PREFILL_COMPUTED_TOKENS, (job.prompt.len() - cached) as i64);
+                    admitted.push((id, job));
+                }
                 Err(e) => {
                     let _ = job.reply.send(Err(e));
                 }
@@ -345,12 +407,16 @@ impl Loop {
             }
         };
         for (id, job) in admitted {
-            self.stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+            let computed = job.prompt.len() - self.engine.reused_tokens(id).unwrap_or(0);
+            self.stats.prompt_tokens.fetch_add(computed as u64, Ordering::Relaxed);
             let n_tokens = job.prompt.len();
             let engine = &self.engine;
             let blocks = engine.blocks(id).map(|b| b[..engine.kv.layout.blocks_for(n_tokens)].to_vec());
+            let cached_tokens = engine.reused_tokens(id).unwrap_or(0);
             let r = match (events.iter().find(|e| e.seq == id), blocks) {
-                (Some(ev), Ok(blocks)) => Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens }),
+                (Some(ev), Ok(blocks)) => {
+                    Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens })
+                }
                 (None, _) => Err(EngineError::InvalidArgument("prefill produced no token".into())),
                 (_, Err(e)) => Err(e),
             };

@@ -18,6 +18,11 @@ pub struct Config {
     /// far ahead (renewed every quarter of it), in milliseconds.
     #[arg(long, env = "PDMESH_PREFILL_LEASE_RENEW_MS", default_value_t = 10_000)]
     pub lease_renew_ms: u64,
+    /// Prefix cache: most full prompt blocks kept for reuse once no request
+    /// holds them (evicted least recently used first, and sooner when the
+    /// arena needs room). 0 switches the prefix cache off.
+    #[arg(long, env = "PDMESH_PREFILL_PREFIX_CACHE_BLOCKS", default_value_t = 1024)]
+    pub prefix_cache_blocks: usize,
     /// Bytes per KV chunk on the TCP transport.
     #[arg(long, env = "PDMESH_PREFILL_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,

@@ -67,6 +67,7 @@ impl Service {
             }
         };
         let first = pinned.p.first_token;
+        let cached_tokens = pinned.p.cached_tokens as u32;
         let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let (mut claim, span) = telemetry::client_request(
             rpc::KVBROKER_CLAIM_TICKET,
@@ -103,6 +104,7 @@ impl Service {
             { attr::FAULT_STALL_MS } = tracing::field::Empty,
         );
         let r2 = self.transfer(&r.request_id, ticket, pinned, first, &mut broker).instrument(xfer.clone()).await;
+        let r2 = r2.map(|resp| pb::PrefillResponse { cached_tokens, ..resp });
         if let Err(e) = &r2 {
             telemetry::mark_error(&xfer, e.message());
         }
@@ -193,7 +195,12 @@ impl Service {
                 telemetry::finish(&cspan, completed).map_err(|e| {
                     Status::failed_precondition(format!("ticket could not be completed: {}", e.message()))
                 })?;
-                Ok(pb::PrefillResponse { first_token: first, kv_bytes: bytes, transport: name.into() })
+                Ok(pb::PrefillResponse {
+                    first_token: first,
+                    kv_bytes: bytes,
+                    transport: name.into(),
+                    cached_tokens: 0,
+                })
             }
             Err(e) => {
                 transport.forget(&ticket.dest_worker);
@@ -217,6 +224,23 @@ impl Service {
     }
 }
 
+/// What the caller at cursor `(epoch, seq)` lacks of this worker's prefix cache.
+fn prefix_delta(st: &crate::batcher::Stats, epoch: u64, seq: u64) -> Option<pb::PrefixCacheDelta> {
+    let p = st.prefix();
+    let (seed, block_size) = p.hashing?;
+    let d = p.log.since(epoch, seq);
+    Some(pb::PrefixCacheDelta {
+        epoch: d.epoch,
+        seq: d.seq,
+        reset: d.reset,
+        stored: d.stored,
+        removed: d.removed,
+        hash_seed: seed,
+        block_size: block_size as u32,
+        cached_blocks: p.log.len() as u32,
+    })
+}
+
 fn fail(request_id: &str, why: &str) -> kpb::CompleteTicketRequest {
     kpb::CompleteTicketRequest {
         request_id: request_id.into(),
@@ -236,13 +260,16 @@ impl pb::prefill_server::Prefill for Service {
         r.map(Response::new)
     }
 
-    async fn load(&self, _req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
+    async fn load(&self, req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
         let st = &self.batcher.stats;
+        let req = req.into_inner();
         Ok(Response::new(pb::LoadResponse {
             running: st.running.load(Ordering::Relaxed),
             queued: st.queued.load(Ordering::Relaxed),
             kv_blocks_used: st.kv_used.load(Ordering::Relaxed),
             kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
+            prefix_cache: prefix_delta(st, req.cache_epoch, req.cache_seq),
+            queued_tokens: st.queued_tokens.load(Ordering::Relaxed),
         }))
     }
 }

@@ -61,6 +61,10 @@ pub struct EngineArgs {
     /// prefill is step 1).
     #[arg(long, env = "PDMESH_TRACE_KERNEL_STEPS", default_value = "off")]
     pub trace_kernel_steps: KernelSpans,
+    /// Set by the prefill worker from its own `--prefix-cache-blocks` (a
+    /// decode worker imports every prompt's KV and keeps no prefix cache).
+    #[arg(skip)]
+    pub prefix_cache_blocks: usize,
 }
 
 /// The kernel-span knob (`--trace-kernel-steps`).
@@ -135,6 +139,7 @@ impl EngineArgs {
             kv_blocks: self.kv_blocks,
             threads: self.threads,
             prefill_chunk: self.prefill_chunk,
+            prefix_cache_blocks: self.prefix_cache_blocks,
         }
     }
 
