@@ -109,6 +109,13 @@ pub mod attr {
     pub const PICK_BUSY_POLLED: &str = "busy_polled";
     pub const PICK_KV_FREE_POLLED: &str = "kv_free_polled";
     pub const PICK_CANDIDATES: &str = "candidates";
+    /// The policy's branch: `least_busy`, `imbalanced`, `cache_match`, `low_match`.
+    pub const PICK_BRANCH: &str = "branch";
+    /// Leading prompt blocks the chosen worker holds in its prefix cache.
+    pub const PICK_OVERLAP_BLOCKS: &str = "overlap_blocks";
+    /// The prompt's full blocks (what the overlap is out of).
+    pub const PICK_PROMPT_BLOCKS: &str = "prompt_blocks";
+    pub const PICK_QUEUED_TOKENS_POLLED: &str = "queued_tokens_polled";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
     pub const DETOKENIZE_BUSY_MS: &str = "detokenize.busy_ms";
 

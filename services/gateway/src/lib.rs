@@ -97,7 +97,13 @@ fn finish_reason(f: &pb::Finished) -> &'static str {
 
 fn usage_json(f: &pb::Finished) -> Value {
     let u = f.usage.unwrap_or_default();
-    json!({ "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens })
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        // OpenAI's field for prompt tokens served from a prompt cache.
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
+    })
 }
 
 /// Counts the request and its time when dropped (also when the client

@@ -26,9 +26,71 @@ pub struct Config {
     /// Further prefill/decode pairs tried when a pair refuses or fails before the first token.
     #[arg(long, env = "PDMESH_ROUTER_RETRIES", default_value_t = 1)]
     pub retries: u32,
+    /// How a prefill worker is chosen: `cache-aware` (the worker whose
+    /// prefix cache holds most of the prompt, unless loads are out of
+    /// balance) or `least-busy`. Decode workers are always least busy.
+    #[arg(long, env = "PDMESH_ROUTER_POLICY", value_enum, default_value = "cache-aware")]
+    pub policy: PolicyName,
+    /// cache-aware: least share (0..=1) of the prompt's full blocks a
+    /// prefill worker must hold to be chosen over the least busy one.
+    #[arg(long, env = "PDMESH_ROUTER_CACHE_THRESHOLD", default_value_t = 0.5)]
+    pub cache_threshold: f64,
+    /// cache-aware: loads are out of balance (and the least busy worker is
+    /// chosen) when the busiest prefill worker has more than this many
+    /// requests over the least busy one ...
+    #[arg(long, env = "PDMESH_ROUTER_BALANCE_ABS_THRESHOLD", default_value_t = 8)]
+    pub balance_abs_threshold: u32,
+    /// ... and more than this many times its load (>= 1).
+    #[arg(long, env = "PDMESH_ROUTER_BALANCE_REL_THRESHOLD", default_value_t = 1.5)]
+    pub balance_rel_threshold: f64,
     /// Most stop strings per request.
     #[arg(long, env = "PDMESH_ROUTER_MAX_STOP", default_value_t = 8)]
     pub max_stop: usize,
     #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
+}
+
+/// `--policy`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyName {
+    CacheAware,
+    LeastBusy,
+}
+
+/// The prefill-picking policy, checked.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Policy {
+    CacheAware(crate::pick::CacheAware),
+    LeastBusy,
+}
+
+impl Policy {
+    /// The name on the `route` span.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Policy::CacheAware(_) => "cache_aware",
+            Policy::LeastBusy => "least_busy",
+        }
+    }
+}
+
+impl Config {
+    /// The policy the flags describe, or what is wrong with them.
+    pub fn policy(&self) -> Result<Policy, String> {
+        if !(0.0..=1.0).contains(&self.cache_threshold) {
+            return Err(format!("--cache-threshold must be within 0..=1, got {}", self.cache_threshold));
+        }
+        if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
+            return Err(format!("--balance-rel-threshold must be at least 1, got {}", self.balance_rel_threshold));
+        }
+        Ok(match self.policy {
+            PolicyName::LeastBusy => Policy::LeastBusy,
+            PolicyName::CacheAware => Policy::CacheAware(crate::pick::CacheAware {
+                cache_threshold: self.cache_threshold,
+                balance_abs: self.balance_abs_threshold,
+                balance_rel: self.balance_rel_threshold,
+            }),
+        })
+    }
 }

@@ -16,8 +16,8 @@ use tonic::Status;
 use tracing::Instrument;
 
 use crate::error::{decode_refusal, retryable};
-use crate::load::Busy;
-use crate::pick::{least_busy, Candidate};
+use crate::load::{Busy, Overlap, Prompt};
+use crate::pick::{cache_aware, least_busy, Branch, Candidate};
 use crate::server::{AbortOnDrop, Router, PEER_WAIT};
 use crate::validate::Job;
 
@@ -56,7 +56,7 @@ impl Router {
         loop {
             let ticket_id = self.ticket_id(&job.request_id, attempt);
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
-            let (d, p) = self.route(attempt, &tried_d, &mut tried_p).await?;
+            let (d, p) = self.route(attempt, prompt, &tried_d, &mut tried_p).await?;
             let (d_addr, d_id, p_addr) = (d.inst.grpc_addr.clone(), d.inst.id.clone(), p.inst.grpc_addr.clone());
             let e = match self.attempt(job, prompt, &ticket_id, d, p).await {
                 Ok(x) => return Ok(x),
@@ -86,18 +86,19 @@ impl Router {
     async fn route(
         &self,
         attempt: u32,
+        prompt: &[u32],
         tried_d: &[String],
         tried_p: &mut Vec<String>,
     ) -> Result<(Picked, Picked), Status> {
-        let route =
-            tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = "least_busy", { attr::ROUTE_ATTEMPT } = attempt);
+        let policy = self.policy.name();
+        let route = tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = policy, { attr::ROUTE_ATTEMPT } = attempt);
         let picked = async {
-            let d = self.pick(&self.decode, tried_d).await?;
-            let p = match self.pick(&self.prefill, tried_p).await {
+            let d = self.pick(&self.decode, tried_d, None).await?;
+            let p = match self.pick(&self.prefill, tried_p, Some(prompt)).await {
                 Ok(p) => p,
                 Err(_) if !tried_p.is_empty() => {
                     tried_p.clear();
-                    self.pick(&self.prefill, tried_p).await?
+                    self.pick(&self.prefill, tried_p, Some(prompt)).await?
                 }
                 Err(e) => return Err(e),
             };
@@ -111,19 +112,31 @@ impl Router {
         picked
     }
 
-    /// The least busy live instance of `peers` not in `tried`
-    /// ([`least_busy`]), recorded on the current (`route`) span.
-    async fn pick(&self, peers: &Peers, tried: &[String]) -> Result<Picked, Status> {
+    /// A live instance of `peers` not in `tried`, recorded on the current
+    /// (`route`) span: for a prefill (`prompt` given) by the router's
+    /// policy ([`cache_aware`] or [`least_busy`]), for a decode least busy.
+    async fn pick(&self, peers: &Peers, tried: &[String], prompt: Option<&[u32]>) -> Result<Picked, Status> {
         let kind = peers.service();
         let list =
             peers.wait_any(PEER_WAIT).await.ok_or_else(|| Status::unavailable(format!("no live {kind} worker")))?;
         let rotation = self.next_id.load(Ordering::Relaxed) as usize;
-        let (i, seen, busy) = self
+        let cache_aware_knobs = match (&self.policy, prompt) {
+            (crate::config::Policy::CacheAware(k), Some(_)) => Some(*k),
+            _ => None,
+        };
+        let policy = |c: &[Candidate], o: &Overlap| match &cache_aware_knobs {
+            Some(k) => cache_aware(c, rotation, o.prompt_blocks, k),
+            None => least_busy(c, rotation).map(|i| (i, Branch::LeastBusy)),
+        };
+        let (i, seen, overlap, branch, busy) = self
             .loads
-            .pick(&list, tried, |c| least_busy(c, rotation))
+            .pick(&list, tried, prompt.map(|tokens| Prompt { tokens }), policy)
             .ok_or_else(|| Status::unavailable(format!("every {kind} worker refused or failed")))?;
         let inst = list[i].clone();
         record_pick(kind, &inst, seen, list.len());
+        if prompt.is_some() {
+            self.record_branch(kind, branch, seen, overlap);
+        }
         let ch = peers.channel(&inst).map_err(Status::internal)?;
         Ok(Picked { inst, ch, busy })
     }
@@ -191,6 +204,21 @@ fn start_prefill(job: &Job, prompt: &[u32], ticket_id: &str, ch: Channel) -> Pre
         }
         .instrument(pspan),
     ))
+}
+
+impl Router {
+    /// The policy branch and the prefix overlap behind a pick, on the
+    /// current span and in the router's metrics.
+    fn record_branch(&self, kind: &str, branch: Branch, seen: Candidate, o: Overlap) {
+        let span = tracing::Span::current();
+        span.set_attribute(pick_key(kind, attr::PICK_BRANCH), branch.label());
+        span.set_attribute(pick_key(kind, attr::PICK_OVERLAP_BLOCKS), seen.overlap_blocks as i64);
+        span.set_attribute(pick_key(kind, attr::PICK_PROMPT_BLOCKS), o.prompt_blocks as i64);
+        span.set_attribute(pick_key(kind, attr::PICK_QUEUED_TOKENS_POLLED), seen.polled.queued_tokens as i64);
+        self.metrics.routes.inc(branch);
+        let overlap_tokens = u64::from(seen.overlap_blocks) * u64::from(o.block_size);
+        self.metrics.route_overlap_tokens.fetch_add(overlap_tokens, Ordering::Relaxed);
+    }
 }
 
 /// The chosen worker and the load the policy saw, on the current span.

@@ -46,6 +46,23 @@ fn render(m: &Metrics, f: Format) -> String {
             "Tokens generated for finished requests.",
             m.completion_tokens.load(Ordering::Relaxed),
         );
+    t.counter(
+        "pdmesh_router_cached_tokens_total",
+        "Prompt tokens of finished requests whose KV came from a prefill worker's prefix cache.",
+        m.cached_tokens.load(Ordering::Relaxed),
+    )
+    .counter(
+        "pdmesh_router_route_overlap_tokens_total",
+        "Prompt tokens the chosen prefill workers were expected to hold in their prefix caches.",
+        m.route_overlap_tokens.load(Ordering::Relaxed),
+    );
+    t.labelled(
+        "pdmesh_router_prefill_picks_total",
+        "counter",
+        "Prefill workers picked, by the policy branch taken.",
+        "branch",
+        &m.routes.counts(),
+    );
     m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
     t.finish()
 }
@@ -57,6 +74,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    let policy = config.policy().map_err(ServeError::Setup)?;
     let metrics = Arc::new(Metrics::default());
     let m2 = metrics.clone();
     let admin = AdminState::new("router", serde_json::json!({ "config": config }), Arc::new(move |f| render(&m2, f)));
@@ -70,6 +88,7 @@ pub async fn serve(
         timeout: Duration::from_secs(config.request_timeout_s.max(1)),
         retries: config.retries,
         max_stop: config.max_stop,
+        policy,
         metrics,
         loads: Default::default(),
         info: Default::default(),

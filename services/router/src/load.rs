@@ -1,10 +1,15 @@
 //! The load the router sees on each worker: its own in-flight requests per
 //! worker (counted by a guard while a request runs) and each worker's own
-//! load, polled.
+//! load, polled; and, for prefill workers with a prefix cache, a mirror of
+//! which prompt blocks each one holds, kept from the worker's own cache log
+//! (so other routers' requests count, and a restarted worker's empty cache
+//! is known at the next poll).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use pdmesh_prefix::{BlockHash, Mirror};
 
 use pdmesh_core::discovery::Instance;
 use pdmesh_core::peers::Peers;
@@ -19,6 +24,46 @@ use crate::pick::{Candidate, Polled};
 pub struct Loads {
     local: Arc<Mutex<HashMap<String, u32>>>,
     polled: Mutex<HashMap<String, Polled>>,
+    caches: Mutex<HashMap<String, WorkerCache>>,
+}
+
+/// What the router knows of one prefill worker's prefix cache.
+#[derive(Default)]
+struct WorkerCache {
+    mirror: Mirror,
+    seed: BlockHash,
+    block_size: usize,
+    /// Blocks of prompts this router just sent there, until the worker's
+    /// log reports them (a burst of equal prompts sticks together).
+    sent: HashMap<BlockHash, Instant>,
+}
+
+/// How long blocks this router sent count as held before the worker's
+/// own log confirms them.
+const SENT_TTL: Duration = Duration::from_secs(2);
+
+impl WorkerCache {
+    fn overlap(&self, hashes: &[BlockHash], now: Instant) -> u32 {
+        let held = |h: &BlockHash| {
+            self.mirror.overlap(std::slice::from_ref(h)) == 1
+                || self.sent.get(h).is_some_and(|t| now.duration_since(*t) < SENT_TTL)
+        };
+        hashes.iter().take_while(|h| held(h)).count() as u32
+    }
+}
+
+/// A request's prompt, for cache-aware picks: its tokens, hashed per worker
+/// (workers of different block sizes or models hash differently).
+pub struct Prompt<'a> {
+    pub tokens: &'a [u32],
+}
+
+/// What a cache-aware pick saw of the prompt on the chosen worker.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Overlap {
+    /// The prompt's full blocks (by the chosen worker's block size).
+    pub prompt_blocks: u32,
+    pub block_size: u32,
 }
 
 /// Counts a request against a worker while alive.
@@ -43,50 +88,111 @@ impl Loads {
     /// Choose one of `list` with `policy` and count a request against it
     /// until the returned guard drops (one lock: concurrent picks see each
     /// other). Returns the index and what the policy knew of it.
-    pub fn pick(
+    pub fn pick<B>(
         &self,
         list: &[Instance],
         tried: &[String],
-        policy: impl FnOnce(&[Candidate]) -> Option<usize>,
-    ) -> Option<(usize, Candidate, Busy)> {
+        prompt: Option<Prompt<'_>>,
+        policy: impl FnOnce(&[Candidate], &Overlap) -> Option<(usize, B)>,
+    ) -> Option<(usize, Candidate, Overlap, B, Busy)> {
         let mut local = lock(&self.local);
+        let mut caches = lock(&self.caches);
+        let now = Instant::now();
+        let mut hashed: HashMap<(BlockHash, usize), Vec<BlockHash>> = HashMap::new();
+        let mut overlap = Overlap::default();
         let candidates: Vec<Candidate> = {
             let polled = lock(&self.polled);
             list.iter()
-                .map(|i| Candidate {
-                    in_flight_here: local.get(&i.grpc_addr).copied().unwrap_or(0),
-                    polled: polled.get(&i.grpc_addr).copied().unwrap_or_default(),
-                    tried: tried.contains(&i.grpc_addr),
+                .map(|i| {
+                    let cache = caches.get(&i.grpc_addr).filter(|c| c.block_size > 0);
+                    let overlap_blocks = match (&prompt, cache) {
+                        (Some(p), Some(c)) => {
+                            let hashes = hashed.entry((c.seed, c.block_size)).or_insert_with(|| {
+                                pdmesh_prefix::chain(c.seed, c.block_size, p.tokens, usize::MAX)
+                            });
+                            overlap = Overlap { prompt_blocks: hashes.len() as u32, block_size: c.block_size as u32 };
+                            c.overlap(hashes, now)
+                        }
+                        _ => 0,
+                    };
+                    Candidate {
+                        in_flight_here: local.get(&i.grpc_addr).copied().unwrap_or(0),
+                        polled: polled.get(&i.grpc_addr).copied().unwrap_or_default(),
+                        tried: tried.contains(&i.grpc_addr),
+                        overlap_blocks,
+                    }
                 })
                 .collect()
         };
-        let i = policy(&candidates)?;
+        let (i, branch) = policy(&candidates, &overlap)?;
         let addr = list[i].grpc_addr.clone();
+        if let Some(c) = caches.get_mut(&addr) {
+            if let Some(h) = hashed.get(&(c.seed, c.block_size)) {
+                overlap.prompt_blocks = h.len() as u32;
+                c.sent.retain(|_, t| now.duration_since(*t) < SENT_TTL);
+                c.sent.extend(h.iter().map(|h| (*h, now)));
+            }
+        }
         *local.entry(addr.clone()).or_default() += 1;
-        Some((i, candidates[i], Busy { local: self.local.clone(), addr }))
+        Some((i, candidates[i], overlap, branch, Busy { local: self.local.clone(), addr }))
+    }
+
+    /// The cursor to poll `addr`'s prefix-cache log from.
+    fn cache_cursor(&self, addr: &str) -> (u64, u64) {
+        lock(&self.caches).get(addr).map(|c| c.mirror.cursor()).unwrap_or_default()
+    }
+
+    /// `addr` has no prefix cache (any more).
+    fn drop_cache(&self, addr: &str) {
+        lock(&self.caches).remove(addr);
+    }
+
+    /// Apply a polled change of `addr`'s prefix cache.
+    fn apply_cache(&self, addr: &str, d: ppb::PrefixCacheDelta) {
+        let mut caches = lock(&self.caches);
+        let c = caches.entry(addr.to_string()).or_default();
+        c.seed = d.hash_seed;
+        c.block_size = d.block_size as usize;
+        if d.reset {
+            c.sent.clear();
+        }
+        c.mirror.apply(pdmesh_prefix::Delta {
+            epoch: d.epoch,
+            seq: d.seq,
+            reset: d.reset,
+            stored: d.stored,
+            removed: d.removed,
+        });
     }
 
     fn replace_polled(&self, fresh: HashMap<String, Polled>) {
+        // Forget the caches of workers no longer polled (gone, or moved).
+        lock(&self.caches).retain(|addr, _| fresh.contains_key(addr));
         *lock(&self.polled) = fresh;
     }
 }
 
 /// One worker's Load, or None when it did not answer within a second.
-async fn poll_one(peers: &Peers, inst: &Instance) -> Option<Polled> {
+async fn poll_one(loads: &Loads, peers: &Peers, inst: &Instance) -> Option<Polled> {
     let ch = peers.channel(inst).ok()?;
     let timeout = Duration::from_secs(1);
-    let (running, queued, total, used) = if peers.service() == "decode" {
+    if peers.service() == "decode" {
         let mut req = Request::new(dpb::LoadRequest {});
         req.set_timeout(timeout);
         let l = dpb::decode_client::DecodeClient::new(ch).load(req).await.ok()?.into_inner();
-        (l.running, l.queued, l.kv_blocks_total, l.kv_blocks_used)
-    } else {
-        let mut req = Request::new(ppb::LoadRequest {});
-        req.set_timeout(timeout);
-        let l = ppb::prefill_client::PrefillClient::new(ch).load(req).await.ok()?.into_inner();
-        (l.running, l.queued, l.kv_blocks_total, l.kv_blocks_used)
-    };
-    Some(Polled { busy: running + queued, kv_free: total.saturating_sub(used) })
+        let kv_free = l.kv_blocks_total.saturating_sub(l.kv_blocks_used);
+        return Some(Polled { busy: l.running + l.queued, kv_free, queued_tokens: 0 });
+    }
+    let (cache_epoch, cache_seq) = loads.cache_cursor(&inst.grpc_addr);
+    let mut req = Request::new(ppb::LoadRequest { cache_epoch, cache_seq });
+    req.set_timeout(timeout);
+    let l = ppb::prefill_client::PrefillClient::new(ch).load(req).await.ok()?.into_inner();
+    match l.prefix_cache {
+        Some(d) => loads.apply_cache(&inst.grpc_addr, d),
+        None => loads.drop_cache(&inst.grpc_addr),
+    }
+    let kv_free = l.kv_blocks_total.saturating_sub(l.kv_blocks_used);
+    Some(Polled { busy: l.running + l.queued, kv_free, queued_tokens: l.queued_tokens })
 }
 
 /// Poll every prefill and decode worker's Load every `every`, forever.
@@ -95,7 +201,7 @@ pub async fn poll_loads(loads: Arc<Loads>, workers: [Peers; 2], every: Duration)
         let mut fresh = HashMap::new();
         for peers in &workers {
             for inst in peers.instances() {
-                if let Some(p) = poll_one(peers, &inst).await {
+                if let Some(p) = poll_one(&loads, peers, &inst).await {
                     fresh.insert(inst.grpc_addr.clone(), p);
                 }
             }

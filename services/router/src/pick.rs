@@ -7,6 +7,8 @@ pub struct Polled {
     /// Running plus queued (plus, for decode, waiting for KV).
     pub busy: u32,
     pub kv_free: u32,
+    /// Prompt tokens waiting for a prefill step (prefill workers).
+    pub queued_tokens: u64,
 }
 
 /// What the policy knows of one candidate worker.
@@ -18,6 +20,9 @@ pub struct Candidate {
     pub polled: Polled,
     /// Already tried (and refused or failed) for this request.
     pub tried: bool,
+    /// Leading full blocks of this request's prompt the worker has cached,
+    /// as far as the router knows (prefill workers with a prefix cache).
+    pub overlap_blocks: u32,
 }
 
 impl Candidate {
@@ -39,12 +44,124 @@ pub fn least_busy(candidates: &[Candidate], rotation: usize) -> Option<usize> {
         .min_by_key(|&i| (candidates[i].busy(), std::cmp::Reverse(candidates[i].polled.kv_free)))
 }
 
+/// Why a worker was chosen: the branch of the policy taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Branch {
+    /// Least busy (the policy is least-busy, or the request is too short
+    /// to have a full block).
+    LeastBusy,
+    /// Loads were out of balance: least busy, whatever the cache holds.
+    Imbalanced,
+    /// Some worker holds enough of the prompt: the best match (least busy among equals).
+    CacheMatch,
+    /// No worker holds enough of the prompt: least busy.
+    LowMatch,
+}
+
+impl Branch {
+    pub const ALL: [Branch; 4] = [Branch::LeastBusy, Branch::Imbalanced, Branch::CacheMatch, Branch::LowMatch];
+
+    /// The label on the `route` span and in metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Branch::LeastBusy => "least_busy",
+            Branch::Imbalanced => "imbalanced",
+            Branch::CacheMatch => "cache_match",
+            Branch::LowMatch => "low_match",
+        }
+    }
+}
+
+/// The thresholds of the cache-aware policy (`--cache-threshold`,
+/// `--balance-abs-threshold`, `--balance-rel-threshold`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct CacheAware {
+    /// Least share of the prompt's full blocks a worker must hold for the
+    /// request to go to it rather than to the least busy worker.
+    pub cache_threshold: f64,
+    /// Loads are out of balance when the busiest candidate has more than
+    /// this many requests over the least busy one ...
+    pub balance_abs: u32,
+    /// ... and more than this many times its load.
+    pub balance_rel: f64,
+}
+
+/// SGLang's cache-aware rule over the polled prefix caches: when loads
+/// are out of balance, least busy; else, if the best-holding worker holds
+/// at least `cache_threshold` of the prompt's `prompt_blocks` full blocks,
+/// that worker (least busy among equals); else least busy.
+pub fn cache_aware(
+    candidates: &[Candidate],
+    rotation: usize,
+    prompt_blocks: u32,
+    knobs: &CacheAware,
+) -> Option<(usize, Branch)> {
+    let fallback = least_busy(candidates, rotation)?;
+    let open: Vec<usize> = (0..candidates.len()).filter(|&i| !candidates[i].tried).collect();
+    let loads = open.iter().map(|&i| candidates[i].busy());
+    let (min, max) = (loads.clone().min().unwrap_or(0), loads.max().unwrap_or(0));
+    if max - min > knobs.balance_abs && f64::from(max) > f64::from(min) * knobs.balance_rel {
+        return Some((fallback, Branch::Imbalanced));
+    }
+    if prompt_blocks == 0 {
+        return Some((fallback, Branch::LeastBusy));
+    }
+    let best = open.iter().map(|&i| candidates[i].overlap_blocks).max().unwrap_or(0);
+    if best == 0 || f64::from(best) < knobs.cache_threshold * f64::from(prompt_blocks) {
+        return Some((fallback, Branch::LowMatch));
+    }
+    let holders: Vec<Candidate> =
+        candidates.iter().map(|c| Candidate { tried: c.tried || c.overlap_blocks < best, ..*c }).collect();
+    least_busy(&holders, rotation).map(|i| (i, Branch::CacheMatch))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn c(here: u32, busy: u32, kv_free: u32) -> Candidate {
-        Candidate { in_flight_here: here, polled: Polled { busy, kv_free }, tried: false }
+        Candidate { in_flight_here: here, polled: Polled { busy, kv_free, queued_tokens: 0 }, ..Default::default() }
+    }
+
+    fn holding(busy: u32, overlap_blocks: u32) -> Candidate {
+        Candidate { overlap_blocks, ..c(0, busy, 10) }
+    }
+
+    const KNOBS: CacheAware = CacheAware { cache_threshold: 0.5, balance_abs: 4, balance_rel: 1.5 };
+
+    #[test]
+    fn the_worker_holding_the_prompt_wins_even_if_busier() {
+        let list = [holding(1, 0), holding(3, 8)];
+        assert_eq!(cache_aware(&list, 0, 10, &KNOBS), Some((1, Branch::CacheMatch)));
+    }
+
+    #[test]
+    fn below_the_threshold_the_least_busy_wins() {
+        let list = [holding(1, 0), holding(3, 4)];
+        assert_eq!(cache_aware(&list, 0, 10, &KNOBS), Some((0, Branch::LowMatch)));
+        assert_eq!(cache_aware(&list, 0, 0, &KNOBS), Some((0, Branch::LeastBusy)), "no full block to match");
+    }
+
+    #[test]
+    fn out_of_balance_loads_override_the_cache() {
+        // 9 - 1 > 4 and 9 > 1.5 * 1.
+        let list = [holding(1, 0), holding(9, 10)];
+        assert_eq!(cache_aware(&list, 0, 10, &KNOBS), Some((0, Branch::Imbalanced)));
+        // Within the absolute threshold the cache still wins.
+        let list = [holding(1, 0), holding(5, 10)];
+        assert_eq!(cache_aware(&list, 0, 10, &KNOBS), Some((1, Branch::CacheMatch)));
+    }
+
+    #[test]
+    fn among_equal_holders_the_least_busy_and_tried_ones_are_skipped() {
+        let mut list = [holding(4, 6), holding(2, 6), holding(0, 1)];
+        assert_eq!(cache_aware(&list, 0, 8, &KNOBS), Some((1, Branch::CacheMatch)));
+        list[1].tried = true;
+        assert_eq!(cache_aware(&list, 0, 8, &KNOBS), Some((0, Branch::CacheMatch)));
+        list[0].tried = true;
+        assert_eq!(cache_aware(&list, 0, 8, &KNOBS), Some((2, Branch::LowMatch)));
+        list[2].tried = true;
+        assert_eq!(cache_aware(&list, 0, 8, &KNOBS), None);
     }
 
     #[test]
@@ -70,6 +187,7 @@ mod tests {
     #[test]
     fn tried_workers_are_skipped_and_none_is_left_at_the_end() {
         let mut list = [c(0, 0, 10), c(5, 5, 10)];
+        assert_eq!(list[0].overlap_blocks, 0);
         list[0].tried = true;
         assert_eq!(least_busy(&list, 0), Some(1));
         list[1].tried = true;

@@ -40,6 +40,8 @@ struct Out {
     detok: Option<Detok>,
     stops: StopMatcher,
     n_prompt: u32,
+    /// Prompt tokens the prefill worker took from its prefix cache.
+    n_cached: u32,
     n_out: u32,
     started: Instant,
     last_token: Option<Instant>,
@@ -63,6 +65,7 @@ impl Router {
             detok: None,
             stops: StopMatcher::new(stop),
             n_prompt,
+            n_cached: 0,
             n_out: 0,
             started,
             last_token: None,
@@ -74,7 +77,10 @@ impl Router {
                 p = async { (&mut prefill.as_mut().expect("guarded").0).await }, if prefill.is_some() => {
                     prefill = None;
                     match p {
-                        Ok(Ok(_)) => continue,
+                        Ok(Ok(r)) => {
+                            out.n_cached = r.into_inner().cached_tokens;
+                            continue;
+                        }
                         Ok(Err(e)) => return Err(prefill_failure(e)),
                         Err(_) => return Err(Status::internal("prefill task failed")),
                     }
@@ -83,12 +89,14 @@ impl Router {
             match event(msg, &pair)? {
                 Some(dpb::generate_response::Event::Tokens(t)) => {
                     if self.on_tokens(&mut out, t.ids, tx).await? {
+                        settle(prefill.take(), &mut out).await;
                         return self.finish(tx, common::FinishReason::Stop, &out, &pair.workers).await;
                     }
                 }
                 Some(dpb::generate_response::Event::Finished(f)) => {
                     telemetry::record_status(pair.decode_rpc.span(), None);
                     let reason = self.on_finished(&mut out, f.reason, tx).await;
+                    settle(prefill.take(), &mut out).await;
                     return self.finish(tx, reason, &out, &pair.workers).await;
                 }
                 Some(dpb::generate_response::Event::Admitted(_)) | None => {}
@@ -197,15 +205,30 @@ impl Router {
     ) -> Result<(), Status> {
         self.metrics.prompt_tokens.fetch_add(out.n_prompt as u64, Ordering::Relaxed);
         self.metrics.completion_tokens.fetch_add(out.n_out as u64, Ordering::Relaxed);
+        self.metrics.cached_tokens.fetch_add(out.n_cached as u64, Ordering::Relaxed);
         let fin = pb::Finished {
             reason: reason as i32,
-            usage: Some(common::Usage { prompt_tokens: out.n_prompt, completion_tokens: out.n_out }),
+            usage: Some(common::Usage {
+                prompt_tokens: out.n_prompt,
+                completion_tokens: out.n_out,
+                cached_tokens: out.n_cached,
+            }),
             prefill_worker: workers[0].clone(),
             decode_worker: workers[1].clone(),
         };
         tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(fin)) }))
             .await
             .map_err(|_| Status::cancelled("client went away"))
+    }
+}
+
+/// The prefill's answer (its cached-token count) when the decode finished
+/// first: the prefill returns right after the ticket completes, so this is
+/// short; past a second the count is left at 0 rather than hold the caller.
+async fn settle(prefill: Option<crate::dispatch::PrefillCall>, out: &mut Out) {
+    let Some(mut p) = prefill else { return };
+    if let Ok(Ok(Ok(r))) = tokio::time::timeout(Duration::from_secs(1), &mut p.0).await {
+        out.n_cached = r.into_inner().cached_tokens;
     }
 }
 

@@ -36,6 +36,28 @@ pub struct Metrics {
     pub outcomes: Outcomes,
     pub prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
+    /// Prompt tokens reused from prefill workers' prefix caches (as the workers reported).
+    pub cached_tokens: AtomicU64,
+    /// Prefill picks by policy branch.
+    pub routes: Branches,
+    /// Prompt tokens the chosen prefill workers were expected to hold.
+    pub route_overlap_tokens: AtomicU64,
+}
+
+/// Counts of prefill picks by policy branch.
+#[derive(Default)]
+pub struct Branches([AtomicU64; 4]);
+
+impl Branches {
+    pub fn inc(&self, b: crate::pick::Branch) {
+        let i = crate::pick::Branch::ALL.iter().position(|x| *x == b).unwrap_or(0);
+        self.0[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(label, count)` of every branch.
+    pub fn counts(&self) -> Vec<(&'static str, f64)> {
+        crate::pick::Branch::ALL.iter().zip(&self.0).map(|(b, n)| (b.label(), n.load(Ordering::Relaxed) as f64)).collect()
+    }
 }
 
 pub struct Router {
@@ -46,6 +68,8 @@ pub struct Router {
     pub timeout: Duration,
     pub retries: u32,
     pub max_stop: usize,
+    /// How prefill workers are picked.
+    pub policy: crate::config::Policy,
     pub metrics: Arc<Metrics>,
     /// In-flight counts of this router and the workers' polled loads.
     pub loads: Arc<Loads>,
