@@ -38,7 +38,9 @@ pub struct PrefixCounters {
 }
 
 /// A cached block's identity: checked on every hit, so a hash collision
-/// can never hand out another prefix's KV.
+/// can never hand out another prefix's KV. A *partial* block (fewer tokens
+/// than the block size: a prompt's last block) is never shared: a request
+/// whose prefix ends inside it gets a copy of the positions it matches.
 #[derive(Debug)]
 struct Entry {
     hash: BlockHash,
@@ -46,6 +48,17 @@ struct Entry {
     tokens: Box<[u32]>,
     /// Position in the LRU order while unreferenced.
     tick: u64,
+}
+
+/// What a prompt can reuse, from [`Blocks::lookup`]: whole cached blocks,
+/// now held by the caller, and where to copy the head of the next block from.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reuse {
+    pub blocks: Vec<u32>,
+    /// `(cached block, positions)`: its first positions match the prompt
+    /// after `blocks`. Held by the caller until it has copied them
+    /// ([`Blocks::release`] it then).
+    pub partial: Option<(u32, usize)>,
 }
 
 /// The prefix index over the arena's blocks.
@@ -56,6 +69,8 @@ struct PrefixIndex {
     seed: BlockHash,
     block_size: usize,
     by_hash: HashMap<BlockHash, u32>,
+    /// Cached blocks by their parent's hash (for partial matches).
+    children: HashMap<BlockHash, Vec<u32>>,
     entries: Vec<Option<Entry>>,
     /// Unreferenced cached blocks, least recently used first.
     lru: BTreeMap<u64, u32>,
@@ -89,6 +104,7 @@ impl Blocks {
             seed: p.seed,
             block_size: p.block_size,
             by_hash: HashMap::new(),
+            children: HashMap::new(),
             entries: (0..total).map(|_| None).collect(),
             lru: BTreeMap::new(),
             next_tick: 0,
@@ -182,52 +198,72 @@ impl Blocks {
         self.trim();
     }
 
-    /// The cached blocks holding the leading full blocks of `tokens` whose
-    /// chained hashes are `hashes`, each now held once more by the caller.
-    /// Every hit is checked against the stored parent and token ids.
-    pub fn lookup(&mut self, hashes: &[BlockHash], tokens: &[u32]) -> Vec<u32> {
-        let Some(p) = self.prefix.as_mut() else { return Vec::new() };
-        let mut found = Vec::new();
+    /// What the first `limit` positions of `tokens` (whose full blocks'
+    /// chained hashes are `hashes`) can reuse: the cached blocks holding its
+    /// leading full blocks, then the cached block sharing the longest head
+    /// with the rest. Every hit is checked against the stored parent and
+    /// token ids. Everything returned is held for the caller.
+    pub fn lookup(&mut self, hashes: &[BlockHash], tokens: &[u32], limit: usize) -> Reuse {
+        let Some(p) = self.prefix.as_mut() else { return Reuse::default() };
+        let bs = p.block_size;
+        let limit = limit.min(tokens.len());
+        let mut reuse = Reuse::default();
         let mut parent = p.seed;
-        for (i, h) in hashes.iter().enumerate() {
-            let want = &tokens[i * p.block_size..(i + 1) * p.block_size];
-            let hit =
-                p.by_hash.get(h).copied().filter(|b| {
-                    p.entries[*b as usize].as_ref().is_some_and(|e| e.parent == parent && *e.tokens == *want)
-                });
-            let Some(b) = hit else { break };
-            found.push(b);
+        for (i, h) in hashes.iter().enumerate().take(limit / bs) {
+            let want = &tokens[i * bs..(i + 1) * bs];
+            let Some(b) = p.by_hash.get(h).copied().filter(|b| p.holds(*b, parent, want)) else { break };
+            reuse.blocks.push(b);
             parent = *h;
         }
+        let start = reuse.blocks.len() * bs;
+        reuse.partial = p.best_head(parent, &tokens[start..limit.min(start + bs)]);
         p.counters.lookups += 1;
-        if !found.is_empty() {
+        let hit = start + reuse.partial.map_or(0, |(_, n)| n);
+        if hit > 0 {
             p.counters.hits += 1;
-            p.counters.hit_tokens += (found.len() * p.block_size) as u64;
+            p.counters.hit_tokens += hit as u64;
         }
-        for b in &found {
-            if self.refs[*b as usize] == 0 {
-                let tick = p.entries[*b as usize].as_ref().map(|e| e.tick);
+        let held: Vec<u32> = reuse.blocks.iter().copied().chain(reuse.partial.map(|(b, _)| b)).collect();
+        for b in held {
+            self.hold(b);
+        }
+        reuse
+    }
+
+    /// One more reference to cached block `b` (out of the LRU order if it was unreferenced).
+    fn hold(&mut self, b: u32) {
+        if self.refs[b as usize] == 0 {
+            if let Some(p) = self.prefix.as_mut() {
+                let tick = p.entries[b as usize].as_ref().map(|e| e.tick);
                 if let Some(t) = tick {
                     p.lru.remove(&t);
                 }
             }
-            self.refs[*b as usize] += 1;
         }
-        found
+        self.refs[b as usize] += 1;
     }
 
-    /// Cache held block `block`, which now holds the KV of `tokens` (one
-    /// full block) after the prefix hashing to `parent`. No-op if that
-    /// prefix is cached already (in another block) or the block is.
+    /// Cache held block `block`, which now holds the KV of `tokens` after
+    /// the prefix hashing to `parent`: a full block, or fewer tokens for a
+    /// partial one (`hash` is then [`pdmesh_prefix::hash::block_hash`] of
+    /// them, which no full block's hash equals). No-op if that prefix is
+    /// cached already (in another block) or the block is. Only full blocks
+    /// are told to routers ([`Blocks::take_events`]).
     pub fn store(&mut self, block: u32, hash: BlockHash, parent: BlockHash, tokens: &[u32]) {
         let Some(p) = self.prefix.as_mut() else { return };
         let b = block as usize;
+        if tokens.is_empty() || tokens.len() > p.block_size {
+            return;
+        }
         if b >= self.total || self.refs[b] == 0 || p.entries[b].is_some() || p.by_hash.contains_key(&hash) {
             return;
         }
         p.entries[b] = Some(Entry { hash, parent, tokens: tokens.into(), tick: 0 });
         p.by_hash.insert(hash, block);
-        p.events.push(Event::Stored(hash));
+        p.children.entry(parent).or_default().push(block);
+        if tokens.len() == p.block_size {
+            p.events.push(Event::Stored(hash));
+        }
         p.counters.stored += 1;
     }
 
@@ -257,11 +293,35 @@ impl PrefixIndex {
     }
 
     fn forget(&mut self, b: u32) {
-        if let Some(e) = self.entries[b as usize].take() {
-            self.by_hash.remove(&e.hash);
-            self.events.push(Event::Removed(e.hash));
-            self.counters.evictions += 1;
+        let Some(e) = self.entries[b as usize].take() else { return };
+        self.by_hash.remove(&e.hash);
+        if let Some(siblings) = self.children.get_mut(&e.parent) {
+            siblings.retain(|x| *x != b);
+            if siblings.is_empty() {
+                self.children.remove(&e.parent);
+            }
         }
+        if e.tokens.len() == self.block_size {
+            self.events.push(Event::Removed(e.hash));
+        }
+        self.counters.evictions += 1;
+    }
+
+    /// Whether cached block `b` holds `tokens` (a full block) after `parent`.
+    fn holds(&self, b: u32, parent: BlockHash, tokens: &[u32]) -> bool {
+        self.entries[b as usize].as_ref().is_some_and(|e| e.parent == parent && *e.tokens == *tokens)
+    }
+
+    /// The cached block after `parent` whose tokens share the longest head
+    /// with `want`, and that head's length (at least 1).
+    fn best_head(&self, parent: BlockHash, want: &[u32]) -> Option<(u32, usize)> {
+        let common = |e: &Entry| e.tokens.iter().zip(want).take_while(|(a, b)| a == b).count();
+        self.children
+            .get(&parent)?
+            .iter()
+            .filter_map(|b| self.entries[*b as usize].as_ref().map(|e| (*b, common(e))))
+            .filter(|(_, n)| *n > 0)
+            .max_by_key(|(_, n)| *n)
     }
 }
 
@@ -276,10 +336,19 @@ mod tests {
         Blocks::new(total, Some(PrefixConfig { capacity, seed: 42, block_size: BS }))
     }
 
+    /// The whole cached blocks for `tokens` (a partial match is let go).
+    fn full(b: &mut Blocks, hashes: &[BlockHash], tokens: &[u32]) -> Vec<u32> {
+        let r = b.lookup(hashes, tokens, tokens.len());
+        if let Some((src, _)) = r.partial {
+            b.release(&[src]);
+        }
+        r.blocks
+    }
+
     /// Allocate blocks for `tokens` and store its full blocks, as a prefill would.
     fn prefill(b: &mut Blocks, tokens: &[u32]) -> Vec<u32> {
         let hashes = chain(42, BS, tokens, usize::MAX);
-        let mut got = b.lookup(&hashes, tokens);
+        let mut got = full(b, &hashes, tokens);
         got.extend(b.allocate(tokens.len().div_ceil(BS) - got.len()).unwrap());
         for (i, h) in hashes.iter().enumerate() {
             let parent = if i == 0 { 42 } else { hashes[i - 1] };
@@ -317,7 +386,7 @@ mod tests {
         let a = prefill(&mut b, &[1, 2, 3, 4]);
         b.release(&a);
         // Hold the first block again, then ask for every other block.
-        let held = b.lookup(&chain(42, BS, &[1, 2], 1), &[1, 2]);
+        let held = full(&mut b, &chain(42, BS, &[1, 2], 1), &[1, 2]);
         assert_eq!(held, a[..1]);
         let rest = b.allocate(3).unwrap();
         assert!(!rest.contains(&a[0]), "a held cached block is never handed out");
@@ -336,7 +405,7 @@ mod tests {
         b.release(&a);
         assert_eq!(b.evictable(), 1);
         assert_eq!(b.cached(), 1, "the head is kept, the tail evicted");
-        assert_eq!(b.lookup(&chain(42, BS, &[1, 2], 1), &[1, 2]), a[..1]);
+        assert_eq!(full(&mut b, &chain(42, BS, &[1, 2], 1), &[1, 2]), a[..1]);
     }
 
     #[test]
@@ -346,8 +415,8 @@ mod tests {
         b.release(&a);
         let hashes = chain(42, BS, &[1, 2, 3, 4], 2);
         // Right hashes, wrong tokens: a forged collision.
-        assert!(b.lookup(&hashes, &[1, 2, 7, 7]).len() == 1);
-        assert!(b.lookup(&hashes[1..], &[3, 4]).is_empty(), "block 2 under another parent");
+        assert!(full(&mut b, &hashes, &[1, 2, 7, 7]).len() == 1);
+        assert!(full(&mut b, &hashes[1..], &[3, 4]).is_empty(), "block 2 under another parent");
         b.release(&a[..1]);
         states_add_up(&b);
     }
@@ -369,12 +438,43 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_ending_inside_a_block_matches_its_head_to_copy() {
+        let mut b = Blocks::new(8, Some(PrefixConfig { capacity: 8, seed: 42, block_size: 4 }));
+        let x = b.allocate(2).unwrap();
+        let h = chain(42, 4, &[1, 2, 3, 4], 1)[0];
+        b.store(x[0], h, 42, &[1, 2, 3, 4]);
+        // The prompt's last block: partial, never told to routers.
+        b.store(x[1], pdmesh_prefix::hash::block_hash(h, &[5, 6]), h, &[5, 6]);
+        assert_eq!(b.take_events(), vec![Event::Stored(h)]);
+        b.release(&x);
+        // The same prompt again, all but its last token reusable.
+        let prompt = [1, 2, 3, 4, 5, 6];
+        let r = b.lookup(&chain(42, 4, &prompt, 9), &prompt, 5);
+        assert_eq!(r, Reuse { blocks: vec![x[0]], partial: Some((x[1], 1)) });
+        assert_eq!(b.counters().hit_tokens, 5);
+        assert_eq!(b.evictable(), 0, "both are held until copied");
+        b.release(&[x[1]]);
+        b.release(&r.blocks);
+        // Diverging inside a full block: its head is matched too.
+        let other = [1, 2, 9, 9, 9];
+        let r = b.lookup(&chain(42, 4, &other, 9), &other, 4);
+        assert_eq!(r, Reuse { blocks: vec![], partial: Some((x[0], 2)) });
+        b.release(&[x[0]]);
+        states_add_up(&b);
+        // Evicting the partial block forgets it quietly.
+        let all = b.allocate(8).unwrap();
+        assert_eq!(b.take_events(), vec![Event::Removed(h)]);
+        b.release(&all);
+        assert_eq!(b.lookup(&chain(42, 4, &prompt, 9), &prompt, 5), Reuse::default());
+    }
+
+    #[test]
     fn without_a_cache_blocks_are_plain_free_and_held() {
         let mut b = Blocks::new(3, None);
         let a = b.allocate(2).unwrap();
         b.store(a[0], 1, 42, &[1, 2]);
         assert_eq!(b.cached(), 0);
-        assert!(b.lookup(&[1], &[1, 2]).is_empty());
+        assert_eq!(b.lookup(&[1], &[1, 2], 2), Reuse::default());
         b.release(&a);
         assert_eq!(b.available(), 3);
         states_add_up(&b);

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use pdmesh_prefix::BlockHash;
 
-use crate::blocks::PrefixConfig;
+use crate::blocks::{PrefixConfig, Reuse};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvBlob, KvCache, KvLayout};
 use crate::model::{BatchItem, Model, Scratch, StepOptions, SumOrder};
@@ -69,6 +69,8 @@ struct Sequence {
     hashes: Vec<BlockHash>,
     /// Leading prompt blocks stored in (or found in) the prefix cache.
     n_stored: usize,
+    /// The prompt's last, partial block was offered to the prefix cache.
+    tail_stored: bool,
     /// Prompt positions whose KV came from the prefix cache.
     n_reused: usize,
 }
@@ -95,15 +97,31 @@ impl Sequence {
         (cold_end - self.n_cached, order)
     }
 
-    /// Put the prompt's newly computed full blocks in the prefix cache.
-    fn store_blocks(&mut self, kv: &mut KvCache) {
+    /// Put the prompt's newly computed blocks in the prefix cache: each full
+    /// block once computed, and the last, partial one once the whole prompt
+    /// is in. Only positions a cold prefill of a longer prompt would compute
+    /// alike are offered: a one-token last chunk runs in the single-token
+    /// summation order, so that position is left out.
+    fn store_blocks(&mut self, kv: &mut KvCache, chunk: usize) {
         let Some((seed, bs)) = kv.blocks.hashing() else { return };
-        let full = (self.n_cached.min(self.n_prompt) / bs).min(self.hashes.len());
+        let last_chunk = (self.n_prompt - 1) % chunk + 1;
+        let cacheable = self.n_prompt - usize::from(last_chunk == 1);
+        let done = self.n_cached.min(cacheable);
+        let parent = |i: usize| if i == 0 { seed } else { self.hashes[i - 1] };
+        let full = (done / bs).min(self.hashes.len());
         for i in self.n_stored..full {
-            let parent = if i == 0 { seed } else { self.hashes[i - 1] };
-            kv.blocks.store(self.blocks[i], self.hashes[i], parent, &self.tokens[i * bs..(i + 1) * bs]);
+            kv.blocks.store(self.blocks[i], self.hashes[i], parent(i), &self.tokens[i * bs..(i + 1) * bs]);
         }
         self.n_stored = self.n_stored.max(full);
+        if self.n_cached >= self.n_prompt && !self.tail_stored {
+            self.tail_stored = true;
+            let i = cacheable / bs;
+            let tail = &self.tokens[i * bs..cacheable];
+            if !tail.is_empty() && i >= self.n_stored {
+                let p = parent(i);
+                kv.blocks.store(self.blocks[i], pdmesh_prefix::hash::block_hash(p, tail), p, tail);
+            }
+        }
     }
 }
 
@@ -191,10 +209,19 @@ impl Engine {
                 context,
             });
         }
-        let (hashes, mut blocks) = if reuse { self.reuse(&prompt) } else { (Vec::new(), Vec::new()) };
+        let (hashes, found) = if reuse { self.reuse(&prompt) } else { (Vec::new(), Reuse::default()) };
+        let (mut blocks, partial) = (found.blocks, found.partial);
         let n_shared = blocks.len();
-        match self.kv.allocate(self.kv.layout.blocks_for(needed) - blocks.len()) {
-            Ok(fresh) => blocks.extend(fresh),
+        let fresh = self.kv.allocate(self.kv.layout.blocks_for(needed) - n_shared);
+        let copied = partial.map_or(0, |(_, n)| n);
+        if let Some((src, n)) = partial {
+            if let Ok(f) = &fresh {
+                self.kv.copy_positions(src, f[0], n);
+            }
+            self.kv.release(&[src]);
+        }
+        match fresh {
+            Ok(f) => blocks.extend(f),
             Err(e) => {
                 self.kv.release(&blocks);
                 return Err(e);
@@ -203,7 +230,7 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         let n_prompt = prompt.len();
-        let n_reused = n_shared * self.kv.layout.block_size;
+        let n_reused = n_shared * self.kv.layout.block_size + copied;
         let seq = Sequence {
             tokens: prompt,
             n_prompt,
@@ -213,21 +240,21 @@ impl Engine {
             finish: None,
             hashes,
             n_stored: n_shared,
+            tail_stored: false,
             n_reused,
         };
         self.seqs.insert(id, seq);
         Ok(id)
     }
 
-    /// The prompt's full-block hashes and the cached blocks holding its
-    /// longest cached prefix, now held for the caller. The last prompt
-    /// token is always computed (its logits pick the first token), so a
-    /// prompt that is all cached still runs its last block.
-    fn reuse(&mut self, prompt: &[u32]) -> (Vec<BlockHash>, Vec<u32>) {
-        let Some((seed, bs)) = self.kv.blocks.hashing() else { return (Vec::new(), Vec::new()) };
+    /// The prompt's full-block hashes and what of its longest cached
+    /// prefix can be reused (held for the caller). The last prompt token is
+    /// always computed (its logits pick the first token), so a prompt that
+    /// is all cached still runs one position.
+    fn reuse(&mut self, prompt: &[u32]) -> (Vec<BlockHash>, Reuse) {
+        let Some((seed, bs)) = self.kv.blocks.hashing() else { return (Vec::new(), Reuse::default()) };
         let hashes = pdmesh_prefix::chain(seed, bs, prompt, usize::MAX);
-        let reusable = (prompt.len() - 1) / bs;
-        let found = self.kv.blocks.lookup(&hashes[..reusable.min(hashes.len())], prompt);
+        let found = self.kv.blocks.lookup(&hashes, prompt, prompt.len() - 1);
         (hashes, found)
     }
 
@@ -306,7 +333,7 @@ impl Engine {
         for (id, _, n, last, _) in plan {
             let s = self.seqs.get_mut(&id).expect("planned sequence exists");
             s.n_cached += n;
-            s.store_blocks(&mut self.kv);
+            s.store_blocks(&mut self.kv, chunk.max(1));
             if last {
                 out.push((id, logits[li * vocab..(li + 1) * vocab].to_vec()));
                 li += 1;

@@ -234,6 +234,23 @@ impl KvCache {
         b as usize * e..(b as usize + 1) * e
     }
 
+    /// Copy positions `0..n` of block `src` (every layer, keys and values)
+    /// into block `dst`: a prompt that shares the head of a cached block
+    /// gets those positions without computing them.
+    pub fn copy_positions(&mut self, src: u32, dst: u32, n: usize) {
+        let l = self.layout;
+        let n = n.min(l.block_size);
+        let (s0, d0) = (src as usize * l.block_elems(), dst as usize * l.block_elems());
+        for layer in 0..l.n_layers {
+            for kv in 0..2 {
+                for head in 0..l.n_kv_heads {
+                    let off = l.offset_in_block(layer, kv, head, 0);
+                    self.data.copy_within(s0 + off..s0 + off + n * l.head_dim, d0 + off);
+                }
+            }
+        }
+    }
+
     /// Bytes of a sequence's blocks covering `n_tokens` positions.
     pub fn export(&self, blocks: &[u32], n_tokens: usize) -> Result<KvBlob> {
         let need = self.layout.blocks_for(n_tokens);

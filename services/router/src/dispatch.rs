@@ -91,7 +91,8 @@ impl Router {
         tried_p: &mut Vec<String>,
     ) -> Result<(Picked, Picked), Status> {
         let policy = self.policy.name();
-        let route = tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = policy, { attr::ROUTE_ATTEMPT } = attempt);
+        let route =
+            tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = policy, { attr::ROUTE_ATTEMPT } = attempt);
         let picked = async {
             let d = self.pick(&self.decode, tried_d, None).await?;
             let p = match self.pick(&self.prefill, tried_p, Some(prompt)).await {

@@ -107,9 +107,9 @@ impl Loads {
                     let cache = caches.get(&i.grpc_addr).filter(|c| c.block_size > 0);
                     let overlap_blocks = match (&prompt, cache) {
                         (Some(p), Some(c)) => {
-                            let hashes = hashed.entry((c.seed, c.block_size)).or_insert_with(|| {
-                                pdmesh_prefix::chain(c.seed, c.block_size, p.tokens, usize::MAX)
-                            });
+                            let hashes = hashed
+                                .entry((c.seed, c.block_size))
+                                .or_insert_with(|| pdmesh_prefix::chain(c.seed, c.block_size, p.tokens, usize::MAX));
                             overlap = Overlap { prompt_blocks: hashes.len() as u32, block_size: c.block_size as u32 };
                             c.overlap(hashes, now)
                         }

@@ -56,7 +56,11 @@ impl Branches {
 
     /// `(label, count)` of every branch.
     pub fn counts(&self) -> Vec<(&'static str, f64)> {
-        crate::pick::Branch::ALL.iter().zip(&self.0).map(|(b, n)| (b.label(), n.load(Ordering::Relaxed) as f64)).collect()
+        crate::pick::Branch::ALL
+            .iter()
+            .zip(&self.0)
+            .map(|(b, n)| (b.label(), n.load(Ordering::Relaxed) as f64))
+            .collect()
     }
 }
 
