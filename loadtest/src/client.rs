@@ -47,6 +47,10 @@ pub struct Record {
     pub chunks: usize,
     /// Completion tokens, from the usage chunk when the server sends one, else `chunks`.
     pub output_tokens: usize,
+    /// Prompt tokens and the share of them the server took from a prompt
+    /// cache (`usage.prompt_tokens_details.cached_tokens`), when it says.
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
     pub outcome: Outcome,
     /// The generated text (kept for multi-turn sessions; never written out).
     #[serde(skip)]
@@ -73,6 +77,8 @@ pub async fn send(req: Request<'_>, t_run: Instant) -> Record {
         e2e_s: 0.0,
         chunks: 0,
         output_tokens: 0,
+        prompt_tokens: None,
+        cached_tokens: None,
         outcome: Outcome::Ok,
         text: String::new(),
     };
@@ -154,8 +160,12 @@ async fn exchange(req: &Request<'_>, t0: Instant, rec: &mut Record) -> Outcome {
             if let Some(err) = v.get("error") {
                 return Outcome::StreamError { message: err["message"].as_str().unwrap_or("error event").into() };
             }
-            if let Some(u) = v.get("usage").and_then(|u| u.get("completion_tokens")).and_then(|c| c.as_u64()) {
-                rec.output_tokens = u as usize;
+            if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+                if let Some(c) = u.get("completion_tokens").and_then(|c| c.as_u64()) {
+                    rec.output_tokens = c as usize;
+                }
+                rec.prompt_tokens = u.get("prompt_tokens").and_then(|c| c.as_u64());
+                rec.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
             }
             let mut piece = String::new();
             for c in v["choices"].as_array().into_iter().flatten() {

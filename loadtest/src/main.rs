@@ -86,6 +86,16 @@ struct Args {
     /// Seed of the prompt choice.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Open every request with a random tag, so no prompt cache (the
+    /// target's or the peer's) can reuse more than a few tokens.
+    #[arg(long, conflicts_with = "repeat_prompt")]
+    unique_prompts: bool,
+    /// Every request asks the same question (closed and Poisson modes): exact repeats.
+    #[arg(long)]
+    repeat_prompt: bool,
+    /// A system prompt of about this many tokens, the same in every request (0 = none).
+    #[arg(long, default_value_t = 0)]
+    system_prompt_tokens: usize,
     /// A request with no token for this long is stalled (ended and counted apart), in seconds.
     #[arg(long, default_value_t = 30.0)]
     stall_s: f64,
@@ -164,6 +174,11 @@ impl Args {
             temperature: self.temperature,
             id_prefix: String::new(),
             ignore_eos: self.ignore_eos,
+            prompts: pdmesh_loadtest::run::PromptStyle {
+                unique: self.unique_prompts,
+                repeat: self.repeat_prompt,
+                system_tokens: self.system_prompt_tokens,
+            },
         };
         let b = self.target_b.as_ref().map(|t| Workload {
             addr: t.clone(),

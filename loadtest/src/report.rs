@@ -44,6 +44,10 @@ pub struct Point {
     pub tpot_s: Option<Percentiles>,
     pub e2e_s: Option<Percentiles>,
     pub output_tokens: usize,
+    /// Prompt tokens of successful requests, and how many of them the
+    /// server said came from its prompt cache (when it reports usage).
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
     pub output_tokens_per_s: f64,
     pub requests_per_s: f64,
     /// Successful requests per second that met the SLO.
@@ -90,6 +94,8 @@ pub fn aggregate(concurrency: usize, records: &[Record], wall_s: f64, slo: Slo) 
         tpot_s: percentiles(ok.iter().filter_map(|r| tpot(r)).collect()),
         e2e_s: percentiles(ok.iter().map(|r| r.e2e_s).collect()),
         output_tokens,
+        prompt_tokens: ok.iter().filter_map(|r| r.prompt_tokens).sum(),
+        cached_tokens: ok.iter().filter_map(|r| r.cached_tokens).sum(),
         output_tokens_per_s: output_tokens as f64 / wall,
         requests_per_s: ok.len() as f64 / wall,
         goodput_rps: good as f64 / wall,
@@ -101,12 +107,21 @@ fn ms(p: &Option<Percentiles>, f: fn(&Percentiles) -> f64) -> String {
     p.as_ref().map(|p| format!("{:.0}", f(p) * 1e3)).unwrap_or_else(|| "-".into())
 }
 
+/// The share of prompt tokens served from the server's prompt cache, or
+/// "-" when it did not report usage.
+fn cached_share(p: &Point) -> String {
+    match p.prompt_tokens {
+        0 => "-".into(),
+        n => format!("{:.0}", p.cached_tokens as f64 * 100.0 / n as f64),
+    }
+}
+
 /// A Markdown table of the points.
 pub fn markdown(target: &str, points: &[Point]) -> String {
-    let mut s = format!("# Load test: {target}\n\n| concurrency | requests | ok | errors | stalled | TTFT p50 / p90 / p99 ms | inter-token p50 / p99 ms | TPOT p50 ms | e2e p50 ms | output tok/s | req/s | goodput req/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    let mut s = format!("# Load test: {target}\n\n| concurrency | requests | ok | errors | stalled | TTFT p50 / p90 / p99 ms | inter-token p50 / p99 ms | TPOT p50 ms | e2e p50 ms | output tok/s | req/s | goodput req/s | prompt cached % |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for p in points {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} / {} / {} | {} / {} | {} | {} | {:.1} | {:.2} | {:.2} |\n",
+            "| {} | {} | {} | {} | {} | {} / {} / {} | {} / {} | {} | {} | {:.1} | {:.2} | {:.2} | {} |\n",
             p.concurrency,
             p.requests,
             p.ok,
@@ -121,7 +136,8 @@ pub fn markdown(target: &str, points: &[Point]) -> String {
             ms(&p.e2e_s, |p| p.p50),
             p.output_tokens_per_s,
             p.requests_per_s,
-            p.goodput_rps
+            p.goodput_rps,
+            cached_share(p)
         ));
     }
     s

@@ -76,11 +76,67 @@ pub struct Workload {
     pub id_prefix: String,
     /// Send `"ignore_eos": true` (pdmesh and llama.cpp's server honour it), so every answer is max_tokens long.
     pub ignore_eos: bool,
+    /// What the prompts share (or do not), for prompt-cache studies.
+    pub prompts: PromptStyle,
+}
+
+/// How prompts are built, so a run can measure prompt caches or defeat them.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PromptStyle {
+    /// A random tag opens every request (its first message), so no prompt
+    /// cache, ours or the peer's, can reuse anything past a few tokens.
+    pub unique: bool,
+    /// Every request sends the same question (closed and Poisson modes).
+    pub repeat: bool,
+    /// A system prompt of about this many tokens, shared by every request.
+    pub system_tokens: usize,
+}
+
+/// A system prompt of about `tokens` tokens (English prose runs about four
+/// characters a token), the same every time.
+pub fn system_prompt(tokens: usize) -> String {
+    const PARA: &str = "You are a meticulous assistant for a travel company. Answer briefly and politely, \
+        check every date and price twice, never invent a booking reference, and say so when you do not know. ";
+    let mut s = String::new();
+    while s.len() < tokens * 4 {
+        s.push_str(PARA);
+    }
+    s.truncate(tokens * 4);
+    s
 }
 
 impl Workload {
-    fn body(&self, prompt: &str) -> String {
-        self.chat_body(&serde_json::json!([{ "role": "user", "content": prompt }]))
+    fn body(&self, prompt: &str, rng: &mut Rng) -> String {
+        let mut messages = vec![serde_json::json!({ "role": "user", "content": prompt })];
+        if let Some(system) = self.system(None, rng) {
+            messages.insert(0, serde_json::json!({ "role": "system", "content": system }));
+        }
+        self.chat_body(&serde_json::Value::Array(messages))
+    }
+
+    /// The system message: `base` (or none) behind the shared system
+    /// prompt, behind a random tag when prompts must be unique.
+    fn system(&self, base: Option<&str>, rng: &mut Rng) -> Option<String> {
+        let p = &self.prompts;
+        let mut parts: Vec<String> = Vec::new();
+        if p.unique {
+            // Random first (the run's id after it): no two requests, runs or sides share more than "[".
+            parts.push(format!("[{:016x} {}]", rng.next_u64(), self.id_prefix));
+        }
+        if p.system_tokens > 0 {
+            parts.push(system_prompt(p.system_tokens));
+        }
+        parts.extend(base.map(str::to_string));
+        (!parts.is_empty()).then(|| parts.join(" "))
+    }
+
+    /// The question of the `i`-th request.
+    fn question(&self, rng: &mut Rng) -> &'static str {
+        if self.prompts.repeat {
+            CORPUS[0]
+        } else {
+            CORPUS[rng.below(CORPUS.len())]
+        }
     }
 
     fn chat_body(&self, messages: &serde_json::Value) -> String {
@@ -112,7 +168,14 @@ pub async fn closed_loop(
     let next = Arc::new(AtomicUsize::new(0));
     // Prompts drawn up front from the seed: the same run sends the same prompts.
     let mut rng = Rng::new(w.seed ^ (point as u64) << 32);
-    let prompts: Arc<Vec<&'static str>> = Arc::new((0..requests).map(|_| CORPUS[rng.below(CORPUS.len())]).collect());
+    let prompts: Arc<Vec<String>> = Arc::new(
+        (0..requests)
+            .map(|_| {
+                let q = w.question(&mut rng);
+                w.body(q, &mut rng)
+            })
+            .collect(),
+    );
     let mut tasks = Vec::new();
     for _ in 0..concurrency.max(1) {
         let (w, next, prompts, stop) = (w.clone(), next.clone(), prompts.clone(), stop.clone());
@@ -129,7 +192,7 @@ pub async fn closed_loop(
                 let req = Request {
                     addr: &w.addr,
                     path: "/v1/chat/completions",
-                    body: w.body(prompts[i]),
+                    body: prompts[i].clone(),
                     request_id: format!("{}-{point}-{i}", w.id_prefix),
                     stall: w.stall,
                     timeout: w.timeout,
@@ -175,12 +238,13 @@ pub async fn poisson(
         tokio::time::sleep_until(when.into()).await;
         let Ok(permit) = gate.clone().acquire_owned().await else { break };
         let w = w.clone();
-        let prompt = CORPUS[rng.below(CORPUS.len())];
+        let q = w.question(&mut rng);
+        let body = w.body(q, &mut rng);
         tasks.push(tokio::spawn(async move {
             let req = Request {
                 addr: &w.addr,
                 path: "/v1/chat/completions",
-                body: w.body(prompt),
+                body,
                 request_id: format!("{}-{point}-{i}", w.id_prefix),
                 stall: w.stall,
                 timeout: w.timeout,
@@ -218,8 +282,10 @@ pub async fn agentic(
         let mut rng = Rng::new(w.seed ^ (point as u64) << 32 ^ (s as u64) << 8 ^ 0xA6E7);
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
+            let agent = "You are an agent. Use the tool results to finish the task.";
+            let system = w.system(Some(agent), &mut rng).unwrap_or_default();
             let mut history = vec![
-                serde_json::json!({ "role": "system", "content": "You are an agent. Use the tool results to finish the task." }),
+                serde_json::json!({ "role": "system", "content": system }),
                 serde_json::json!({ "role": "user", "content": CORPUS[rng.below(CORPUS.len())] }),
             ];
             for r in 0..rounds {
@@ -265,5 +331,51 @@ mod tests {
         assert_eq!(p.line(10), "3/10 done  ok 2  errors 0  stalled 1  in flight 2");
         p.reset();
         assert_eq!(p.line(10), "0/10 done  ok 0  errors 0  stalled 0  in flight 0");
+    }
+
+    fn workload(prompts: PromptStyle) -> Workload {
+        Workload {
+            addr: String::new(),
+            model: "m".into(),
+            max_tokens: 4,
+            seed: 1,
+            stall: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            temperature: 0.0,
+            id_prefix: "lt-run".into(),
+            ignore_eos: false,
+            prompts,
+        }
+    }
+
+    /// The messages of `n` request bodies.
+    fn messages(w: &Workload, n: usize) -> Vec<serde_json::Value> {
+        let mut rng = Rng::new(3);
+        (0..n)
+            .map(|_| {
+                let q = w.question(&mut rng);
+                let b: serde_json::Value = serde_json::from_str(&w.body(q, &mut rng)).unwrap();
+                b["messages"].clone()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn unique_prompts_differ_from_their_first_characters_on() {
+        let m = messages(&workload(PromptStyle { unique: true, ..Default::default() }), 8);
+        let firsts: std::collections::HashSet<String> =
+            m.iter().map(|m| m[0]["content"].as_str().unwrap()[..8].to_string()).collect();
+        assert_eq!(firsts.len(), 8, "every request opens differently");
+        assert_eq!(m[0][0]["role"], "system");
+    }
+
+    #[test]
+    fn a_shared_system_prompt_and_exact_repeats() {
+        let m = messages(&workload(PromptStyle { repeat: true, system_tokens: 300, ..Default::default() }), 4);
+        let system = m[0][0]["content"].as_str().unwrap();
+        assert_eq!(system.len(), 1200, "about four characters a token");
+        assert!(m.iter().all(|x| *x == m[0]), "every request is the same");
+        let plain = messages(&workload(PromptStyle::default()), 1);
+        assert_eq!(plain[0].as_array().unwrap().len(), 1, "no system message unless asked");
     }
 }

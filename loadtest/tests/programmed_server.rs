@@ -79,6 +79,7 @@ fn workload(addr: String, stall: Duration) -> Workload {
         temperature: 0.0,
         id_prefix: "lt-7".into(),
         ignore_eos: false,
+        prompts: Default::default(),
     }
 }
 

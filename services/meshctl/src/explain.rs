@@ -185,8 +185,16 @@ impl<'a> Marks<'a> {
                 let route = find(spans, |s| s.name == span::ROUTE);
                 let pick = route
                     .map(|r| {
+                        let branch = r
+                            .attr_str(&pick_key("prefill", attr::PICK_BRANCH))
+                            .map(|b| {
+                                let int = |k| r.attr_f64(&pick_key("prefill", k)).unwrap_or(0.0) as i64;
+                                let (held, of) = (int(attr::PICK_OVERLAP_BLOCKS), int(attr::PICK_PROMPT_BLOCKS));
+                                format!(" ({b}: holds {held} of {of} prompt blocks)")
+                            })
+                            .unwrap_or_default();
                         format!(
-                            "picked {} and {}",
+                            "picked {}{branch} and {}",
                             r.attr_str(&pick_key("prefill", attr::PICK_INSTANCE)).unwrap_or("?"),
                             r.attr_str(&pick_key("decode", attr::PICK_INSTANCE)).unwrap_or("?")
                         )
@@ -205,10 +213,17 @@ impl<'a> Marks<'a> {
                     .unwrap_or_default()
             ),
             "prefill compute" => format!(
-                "{} prompt tokens in a batch of {} ({} tokens)",
+                "{} prompt tokens in a batch of {} ({} tokens){}",
                 int(forward, attr::PROMPT_TOKENS).unwrap_or(0),
                 int(forward, attr::BATCH_SIZE).unwrap_or(0),
-                int(forward, attr::BATCH_TOKENS).unwrap_or(0)
+                int(forward, attr::BATCH_TOKENS).unwrap_or(0),
+                int(forward, attr::PREFILL_CACHED_TOKENS)
+                    .filter(|n| *n > 0)
+                    .map(|n| format!(
+                        "; prefill skipped {n} cached tokens, computed {}",
+                        int(forward, attr::PREFILL_COMPUTED_TOKENS).unwrap_or(0)
+                    ))
+                    .unwrap_or_default()
             ),
             "decode admission" => format!(
                 "{} running, {} awaiting KV on {}",
