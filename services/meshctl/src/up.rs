@@ -40,6 +40,12 @@ pub struct Args {
     /// KV blocks of the prefill worker.
     #[arg(long, default_value_t = 512)]
     pub prefill_kv_blocks: usize,
+    /// Prefix cache of each prefill worker: most blocks kept for reuse (0 = off).
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_cache_blocks: usize,
+    /// How the router picks a prefill worker: cache-aware or least-busy.
+    #[arg(long, default_value = "cache-aware")]
+    pub router_policy: String,
     /// KV transport of prefill and decode workers: auto (NIXL when it loads), nixl, tcp.
     #[arg(long, default_value = "auto")]
     pub kv_transport: String,
@@ -291,9 +297,12 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
             ];
             if name == "decode" {
                 args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
+            } else {
+                args.extend(["--prefix-cache-blocks".into(), a.prefix_cache_blocks.to_string()]);
             }
             args
         }
+        "router" => vec!["--policy".into(), a.router_policy.clone()],
         _ => vec![],
     }
 }
