@@ -151,8 +151,14 @@ async fn kv_transfer_faults_free_everything() {
     oversized_write_kv_is_refused(&mesh).await;
 }
 
-/// 200 requests at concurrency 32, half cancelled at random moments: no
-/// block stays pinned or reserved, and the next requests run at normal speed.
+/// What every storm prompt starts with: more than two KV blocks.
+const STORM_PREFIX: &str = "You are the weather reporter of a small coastal town. Keep every report short, \
+    cheerful and accurate, mention the wind and the tide, and never promise sunshine you cannot see.";
+
+/// 200 requests at concurrency 32, half cancelled at random moments, all
+/// sharing a prefix (so most hit the prefill's prefix cache): no block stays
+/// pinned or reserved, every prefill block ends free or cached and
+/// unreferenced, and the next requests run at normal speed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancel_storm_leaves_nothing_pinned() {
     let mesh = Mesh::up(&["--decode-kv-blocks", "800", "--decode-max-batch", "32"]);
@@ -179,7 +185,8 @@ async fn cancel_storm_leaves_nothing_pinned() {
             loop {
                 let Some((i, (cancel, after_ms))) = plan.lock().unwrap().pop() else { return (ok, cancelled, failed) };
                 let mut r = router.clone();
-                let fut = run(&mut r, raw_request(&format!("Item {i}: the weather today is"), 24));
+                let prompt = format!("{STORM_PREFIX} Item {i}: the weather today is");
+                let fut = run(&mut r, raw_request(&prompt, 24));
                 if cancel {
                     if tokio::time::timeout(Duration::from_millis(after_ms), fut).await.is_err() {
                         cancelled += 1;
@@ -206,6 +213,8 @@ async fn cancel_storm_leaves_nothing_pinned() {
     assert_eq!(failed, 0, "requests that were not cancelled must succeed");
     assert!(cancelled >= 50, "the storm should cancel many requests, cancelled {cancelled}");
     mesh.assert_released(RELEASED_WITHIN).await;
+    let hits = mesh.gauge("prefill", "pdmesh_prefill_prefix_hit_tokens_total").await;
+    assert!(hits >= 50.0 * 32.0, "the storm's shared prefix should be reused: {hits} tokens");
     let t0 = Instant::now();
     let mut r = router.clone();
     run(&mut r, raw_request("The capital of France is", 16)).await.unwrap();

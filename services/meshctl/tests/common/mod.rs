@@ -348,6 +348,9 @@ impl Mesh {
                 fine &= ["pdmesh_prefill_kv_blocks_used", "pdmesh_prefill_kv_blocks_pinned"]
                     .iter()
                     .all(|n| g(&m, n) == 0.0);
+                // Every block is free, or cached and held by no one.
+                fine &= g(&m, "pdmesh_prefill_kv_blocks_free") + g(&m, "pdmesh_prefill_prefix_evictable_blocks")
+                    == g(&m, "pdmesh_prefill_kv_blocks_total");
                 snapshot.push_str(&m);
             }
             let b = self.metrics("kvbroker").await;

@@ -1,0 +1,146 @@
+//! The prefix cache and cache-aware routing through the whole mesh: the
+//! official `openai` client gets the same greedy answers with the cache on
+//! (repeats and second turns reusing KV) as with it off; two prefill
+//! workers keep a conversation on the one that holds it; a restarted
+//! worker starts cold and the router stops counting on its old cache.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::Mesh;
+use pdmesh_core::discovery::Discovery;
+use serde_json::Value;
+
+/// `scripts/openai_prefix_answers.py` against `mesh`.
+fn answers(mesh: &Mesh) -> Value {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let probe = Command::new("python3").args(["-c", "import openai"]).status().expect("python3");
+    assert!(probe.success(), "the `openai` Python package is missing: python3 -m pip install openai");
+    let out = Command::new("python3")
+        .arg(format!("{root}/scripts/openai_prefix_answers.py"))
+        .args(["--base-url", &format!("http://{}/v1", mesh.gateway)])
+        .args(["--golden", &format!("{root}/services/engine/tests/data/smollm2.golden.json")])
+        .output()
+        .expect("run the openai prefix script");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "openai prefix script failed:\n{stderr}");
+    serde_json::from_slice(&out.stdout).expect("JSON from the script")
+}
+
+fn num(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("expected a count, got {v}"))
+}
+
+/// A counter or gauge summed over every instance of `service`.
+async fn total(mesh: &Mesh, service: &str, name: &str) -> f64 {
+    let all = mesh.metrics_all(service).await;
+    all.iter().map(|(_, m)| pdmesh_core::http::metric(m, name).unwrap_or(0.0)).sum()
+}
+
+/// A chat answer's usage: (prompt tokens, cached tokens).
+fn usage(mesh: &Mesh, content: &str) -> (u64, u64) {
+    let (st, body) = mesh.post("/v1/chat/completions", &common::chat_body(content, r#","max_tokens":4"#), &[]);
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    (num(&v["usage"]["prompt_tokens"]), num(&v["usage"]["prompt_tokens_details"]["cached_tokens"]))
+}
+
+/// A prompt of about 100 tokens that no other test sends.
+fn long_prompt(tag: &str) -> String {
+    format!(
+        "{tag}: a lighthouse keeper writes in her log every evening. She notes the wind, the swell, the ships \
+         that passed, the colour of the sky at dusk and the state of the lamp. Summarise tonight's entry, in \
+         which a fishing boat came in late under a red sky and the lamp needed a new wick."
+    )
+}
+
+#[test]
+fn cache_hits_answer_as_the_cache_off() {
+    let on = answers(&Mesh::up(&["--prefill-replicas", "2"]));
+    let off = answers(&Mesh::up(&["--prefix-cache-blocks", "0", "--router-policy", "least-busy"]));
+    let golden = common::golden();
+    for ((a, b), g) in on["golden"].as_array().unwrap().iter().zip(off["golden"].as_array().unwrap()).zip(&golden) {
+        let text = a["first"]["text"].as_str().unwrap();
+        assert_eq!(a["first"]["text"], b["first"]["text"], "{}", a["prompt"]);
+        assert_eq!(a["again"]["text"], b["first"]["text"], "a repeat from the cache differs: {}", a["prompt"]);
+        assert!(g["greedy_text"].as_str().unwrap().starts_with(text), "llama.cpp's answer to {} differs", a["prompt"]);
+        let n = num(&a["again"]["prompt_tokens"]);
+        assert_eq!(num(&a["again"]["cached_tokens"]), n - 1, "a repeat reuses all but its last token");
+        assert_eq!(num(&b["again"]["cached_tokens"]), 0, "the cache is off");
+    }
+    for (a, b) in on["chats"].as_array().unwrap().iter().zip(off["chats"].as_array().unwrap()) {
+        for turn in ["turn1", "turn2", "turn2_again"] {
+            assert_eq!(a[turn]["text"], b[turn]["text"], "{turn} of a chat differs with the cache on");
+        }
+        let second = &a["turn2"];
+        assert!(
+            num(&second["cached_tokens"]) > num(&a["turn1"]["prompt_tokens"]) / 2,
+            "turn two reuses turn one's prompt: {second}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn routing_follows_the_cache_and_forgets_a_restarted_worker() {
+    let mesh = Mesh::up(&["--prefill-replicas", "2"]);
+    let poll = Duration::from_millis(700); // two of the router's 250 ms load polls, and margin
+    let prompt = long_prompt("Log 1");
+    let (n, first) = usage(&mesh, &prompt);
+    assert!(n >= 90, "the prompt should be about 100 tokens, it is {n}");
+    tokio::time::sleep(poll).await;
+    let matched = total(&mesh, "router", "pdmesh_router_prefill_picks_total{branch=\"cache_match\"}").await;
+    for k in 0..4 {
+        let (_, cached) = usage(&mesh, &prompt);
+        assert_eq!(cached, n - 1, "repeat {k} went to the worker holding the prompt (first run reused {first})");
+    }
+    let after = total(&mesh, "router", "pdmesh_router_prefill_picks_total{branch=\"cache_match\"}").await;
+    assert_eq!(after - matched, 4.0, "four picks by cache match");
+
+    // Restart the worker holding the prompt: its cache is gone, and within
+    // a poll the router no longer expects it there.
+    let holder = holder(&mesh).await;
+    let old_pid = pid_of(&holder);
+    let cached_before = total(&mesh, "prefill", "pdmesh_prefill_prefix_cached_blocks").await;
+    // SAFETY: kill(2) on a mesh child process.
+    unsafe {
+        libc::kill(old_pid, libc::SIGKILL);
+    }
+    let back = pdmesh_testkit::eventually_async(Duration::from_secs(120), || async {
+        let list = mesh.registry().healthy("prefill").await.unwrap_or_default();
+        list.len() == 2 && list.iter().all(|i| ![0, old_pid].contains(&pid_of(i)))
+    })
+    .await;
+    assert!(back, "the killed prefill worker did not come back");
+    tokio::time::sleep(poll).await;
+    let cached_now = total(&mesh, "prefill", "pdmesh_prefill_prefix_cached_blocks").await;
+    assert!(
+        cached_now < cached_before,
+        "the restarted worker came back with its cache: {cached_now} >= {cached_before}"
+    );
+    let overlap = total(&mesh, "router", "pdmesh_router_route_overlap_tokens_total").await;
+    let (_, cached) = usage(&mesh, &prompt);
+    let expected = total(&mesh, "router", "pdmesh_router_route_overlap_tokens_total").await - overlap;
+    assert!(cached < n / 2, "the restarted worker's cache is empty, yet {cached} of {n} tokens were reused");
+    assert!(expected < (n / 2) as f64, "the router still counted on the old cache: expected {expected} tokens");
+    mesh.assert_released(Duration::from_secs(10)).await;
+}
+
+/// The prefill instance holding the most cached blocks.
+async fn holder(mesh: &Mesh) -> pdmesh_core::discovery::Instance {
+    let list = mesh.registry().healthy("prefill").await.unwrap();
+    let blocks = |i: &pdmesh_core::discovery::Instance| {
+        let (_, m) = pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/metrics");
+        pdmesh_core::http::metric(&m, "pdmesh_prefill_prefix_cached_blocks").unwrap_or(0.0)
+    };
+    list.into_iter().max_by(|a, b| blocks(a).total_cmp(&blocks(b))).expect("a prefill worker")
+}
+
+/// An instance's pid from its /statusz (0 when it does not answer).
+fn pid_of(i: &pdmesh_core::discovery::Instance) -> i32 {
+    let got = pdmesh_core::http::get(i.http_addr.as_deref().unwrap_or(""), "/statusz", Duration::from_secs(2));
+    let Ok((200, body)) = got else { return 0 };
+    let v: Value = serde_json::from_str(&body).unwrap_or_default();
+    v["pid"].as_u64().unwrap_or(0) as i32
+}
