@@ -150,39 +150,8 @@ async fn exchange(req: &Request<'_>, t0: Instant, rec: &mut Record) -> Outcome {
             let event = String::from_utf8_lossy(&body[pos..pos + e]).to_string();
             pos += e + 2;
             let Some(data) = event.strip_prefix("data: ") else { continue };
-            if data.trim() == "[DONE]" {
-                return Outcome::Ok;
-            }
-            let v: serde_json::Value = match serde_json::from_str(data) {
-                Ok(v) => v,
-                Err(e) => return Outcome::Transport { message: format!("bad SSE event: {e}") },
-            };
-            if let Some(err) = v.get("error") {
-                return Outcome::StreamError { message: err["message"].as_str().unwrap_or("error event").into() };
-            }
-            if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-                if let Some(c) = u.get("completion_tokens").and_then(|c| c.as_u64()) {
-                    rec.output_tokens = c as usize;
-                }
-                rec.prompt_tokens = u.get("prompt_tokens").and_then(|c| c.as_u64());
-                rec.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
-            }
-            let mut piece = String::new();
-            for c in v["choices"].as_array().into_iter().flatten() {
-                if let Some(t) = c["delta"]["content"].as_str().or(c["text"].as_str()) {
-                    piece.push_str(t);
-                }
-            }
-            let has_content = !piece.is_empty();
-            rec.text.push_str(&piece);
-            if has_content {
-                let now = Instant::now();
-                match last {
-                    None => rec.ttft_s = Some(now.duration_since(t0).as_secs_f64()),
-                    Some(p) => rec.gaps_s.push(now.duration_since(p).as_secs_f64()),
-                }
-                last = Some(now);
-                rec.chunks += 1;
+            if let Some(end) = on_event(data, t0, rec, &mut last) {
+                return end;
             }
         }
         scan = header_end.unwrap_or(0) + pos;
@@ -196,6 +165,45 @@ async fn exchange(req: &Request<'_>, t0: Instant, rec: &mut Record) -> Outcome {
         return Outcome::Http { status, message };
     }
     Outcome::Transport { message: "stream ended without [DONE]".into() }
+}
+
+/// One SSE event's data: timings, text and usage into `rec`; the outcome
+/// when the event ends the stream.
+fn on_event(data: &str, t0: Instant, rec: &mut Record, last: &mut Option<Instant>) -> Option<Outcome> {
+    if data.trim() == "[DONE]" {
+        return Some(Outcome::Ok);
+    }
+    let v: serde_json::Value = match serde_json::from_str(data) {
+        Ok(v) => v,
+        Err(e) => return Some(Outcome::Transport { message: format!("bad SSE event: {e}") }),
+    };
+    if let Some(err) = v.get("error") {
+        return Some(Outcome::StreamError { message: err["message"].as_str().unwrap_or("error event").into() });
+    }
+    if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+        if let Some(c) = u.get("completion_tokens").and_then(|c| c.as_u64()) {
+            rec.output_tokens = c as usize;
+        }
+        rec.prompt_tokens = u.get("prompt_tokens").and_then(|c| c.as_u64());
+        rec.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
+    }
+    let mut piece = String::new();
+    for c in v["choices"].as_array().into_iter().flatten() {
+        if let Some(t) = c["delta"]["content"].as_str().or(c["text"].as_str()) {
+            piece.push_str(t);
+        }
+    }
+    if !piece.is_empty() {
+        rec.text.push_str(&piece);
+        let now = Instant::now();
+        match *last {
+            None => rec.ttft_s = Some(now.duration_since(t0).as_secs_f64()),
+            Some(p) => rec.gaps_s.push(now.duration_since(p).as_secs_f64()),
+        }
+        *last = Some(now);
+        rec.chunks += 1;
+    }
+    None
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
