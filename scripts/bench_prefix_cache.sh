@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The prefix cache, measured side by side (pdmesh-loadtest A/B: A, B, A, B
+# ... at each load point, one invocation per workload):
+#
+#   1. agentic sessions          pdmesh (cache on)  vs llama-server
+#   2. shared system prompt      pdmesh (cache on)  vs llama-server
+#   3. one repeated prompt, c=1  pdmesh (cache on)  vs llama-server
+#   4. unique prompts (sweep)    pdmesh (cache on)  vs llama-server
+#   5. unique prompts (sweep)    pdmesh (cache on)  vs pdmesh (cache off)
+#   6. agentic, 2 prefill workers: cache-aware vs least-busy routing
+#
+#   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
+#
+# WHICH is a comma list of the workload numbers above (default all).
+# Writes docs/benchmarks/prefix-cache-<date>-<n>.{json,md}. Build
+# llama-server outside this repository (../shared/BENCHMARKS.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+llama=${1:?path of llama-server}
+rounds=${2:-2}
+which=${3:-1,2,3,4,5,6}
+bin=target/release
+day=$(date +%F)
+out=docs/benchmarks
+model=$("$bin/pdmesh-engine" fetch 2>/dev/null | tail -1)
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+
+# A mesh named $1 on gateway port $2, with `meshctl up` flags after them.
+mesh() {
+  local name=$1 port=$2
+  shift 2
+  "$bin/meshctl" up --gateway-addr "127.0.0.1:$port" --registry-dir "$work/$name/registry" "$@" >"$work/$name.log" 2>&1 &
+  for _ in $(seq 1 600); do grep -q "pdmesh is up" "$work/$name.log" && return; sleep 0.5; done
+  echo "mesh $name did not come up" >&2; exit 1
+}
+stop_meshes() { pkill -f "meshctl up --gateway-addr 127.0.0.1:1818" || true; sleep 2; }
+llama_up() {
+  # 32 slots of 1024 positions; prompt caching is llama-server's default.
+  "$llama" -m "$model" --host 127.0.0.1 --port 18181 -t 2 -np 32 -cb -c 32768 >"$work/llama.log" 2>&1 &
+  for _ in $(seq 1 600); do curl -sf http://127.0.0.1:18181/health >/dev/null && return; sleep 0.5; done
+}
+want() { [[ ",$which," == *",$1,"* ]]; }
+lt() { # lt N LABEL_B TARGET_B REGISTRY ARGS...
+  local n=$1 label_b=$2 target_b=$3 reg=$4
+  shift 4
+  "$bin/pdmesh-loadtest" --target 127.0.0.1:18180 --target-b "$target_b" --label-a pdmesh --label-b "$label_b" \
+    --ab-rounds "$rounds" --registry-dir "$work/$reg/registry" --meshctl "$bin/meshctl" --seed 1 "$@" \
+    --out "$out/prefix-cache-$day-$n.json" --markdown "$out/prefix-cache-$day-$n.md"
+}
+
+set -x
+if want 1 || want 2 || want 3 || want 4; then
+  mesh on 18180
+  llama_up
+  want 1 && lt 1 llama-server 127.0.0.1:18181 on --mode agentic --sessions 8 --rounds 3 --think-s 1 --max-tokens 48 --ignore-eos
+  want 2 && lt 2 llama-server 127.0.0.1:18181 on --mode closed --concurrency 1,4,16 --requests 32 --max-tokens 32 \
+    --ignore-eos --system-prompt-tokens 400
+  want 3 && lt 3 llama-server 127.0.0.1:18181 on --mode closed --concurrency 1 --requests 16 --max-tokens 16 \
+    --ignore-eos --repeat-prompt --system-prompt-tokens 100
+  want 4 && lt 4 llama-server 127.0.0.1:18181 on --mode closed --concurrency 1,4,16,32 --requests 32 --max-tokens 64 \
+    --ignore-eos --unique-prompts
+  pkill -f -- "--port 18181" || true
+  stop_meshes
+fi
+if want 5; then
+  mesh on 18180
+  mesh off 18182 --prefix-cache-blocks 0 --router-policy least-busy
+  lt 5 pdmesh-cache-off 127.0.0.1:18182 on --mode closed --concurrency 1,4,16,32 --requests 32 --max-tokens 64 \
+    --ignore-eos --unique-prompts
+  stop_meshes
+fi
+if want 6; then
+  mesh aware 18180 --prefill-replicas 2
+  mesh leastbusy 18183 --prefill-replicas 2 --router-policy least-busy
+  lt 6 least-busy 127.0.0.1:18183 aware --mode agentic --sessions 8 --rounds 4 --think-s 1 --max-tokens 48 --ignore-eos
+  stop_meshes
+fi
