@@ -347,7 +347,14 @@ async fn sweep(a: &Args, stop: &Arc<AtomicBool>) -> Sweep {
                 if stop.load(Ordering::Relaxed) {
                     break;
                 }
-                let wl = Workload { id_prefix: format!("lt-{}-{nonce}-{side}{round}", a.seed), ..wl.clone() };
+                // Both sides of a round send the same prompts; each round
+                // its own (seed + round), so a round never finds the last
+                // round's exact prompts in a server's prompt cache.
+                let wl = Workload {
+                    id_prefix: format!("lt-{}-{nonce}-{side}{round}", a.seed),
+                    seed: a.seed + round as u64,
+                    ..wl.clone()
+                };
                 let at = At { index, level, side, round };
                 let p = measure(a, &wl, &at, stop, &metrics, &mut sw).await;
                 if side == "A" {
