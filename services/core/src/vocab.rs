@@ -129,6 +129,8 @@ pub mod attr {
     pub const PREFILL_CACHED_TOKENS: &str = "prefill.cached_tokens";
     /// `prefill_forward`: prompt tokens computed in this request's prefill.
     pub const PREFILL_COMPUTED_TOKENS: &str = "prefill.computed_tokens";
+    /// `prefill_forward`: the forward steps this prompt was spread over.
+    pub const PREFILL_STEPS: &str = "prefill.steps";
 
     // KV transfer.
     pub const KV_TRANSPORT: &str = "kv.transport";

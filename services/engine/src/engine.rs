@@ -305,17 +305,45 @@ impl Engine {
         chunk: usize,
         opts: StepOptions,
     ) -> Result<Vec<(SeqId, Vec<f32>)>> {
-        let mut plan = Vec::with_capacity(ids.len());
-        for id in ids {
+        let chunk = chunk.max(1);
+        let plan: Vec<(SeqId, usize)> = ids.iter().map(|id| (*id, chunk)).collect();
+        self.forward_runs(&plan, chunk, opts)
+    }
+
+    /// One forward step feeding at most `n` pending tokens of each `(id, n)`
+    /// (a prefill step under a token budget). Prompts keep the chunking and
+    /// summation order of a cold prefill in `prefill_chunk` chunks, however
+    /// the budget splits them, so the logits do not depend on the budget.
+    /// Returns the logits of each sequence whose pending tokens are all in.
+    pub fn forward_some(&mut self, plan: &[(SeqId, usize)], opts: StepOptions) -> Result<Vec<(SeqId, Vec<f32>)>> {
+        self.forward_runs(plan, self.options.prefill_chunk, opts)
+    }
+
+    /// Pending tokens of a sequence (prompt positions not yet computed, or
+    /// the one token a decode step feeds).
+    pub fn pending(&self, id: SeqId) -> Result<usize> {
+        let s = self.seq(id)?;
+        Ok(s.tokens.len() - s.n_cached)
+    }
+
+    fn forward_runs(
+        &mut self,
+        runs: &[(SeqId, usize)],
+        cold_chunk: usize,
+        opts: StepOptions,
+    ) -> Result<Vec<(SeqId, Vec<f32>)>> {
+        let mut plan = Vec::with_capacity(runs.len());
+        for (id, most) in runs {
             let s = self.seq(*id)?;
             if s.finish.is_some() {
                 return Err(EngineError::InvalidArgument(format!("sequence {id} has finished")));
             }
             let pending = s.tokens.len() - s.n_cached;
-            if pending == 0 {
-                return Err(EngineError::InvalidArgument(format!("sequence {id} has no pending tokens")));
+            if pending == 0 || *most == 0 {
+                return Err(EngineError::InvalidArgument(format!("sequence {id} has no pending tokens to feed")));
             }
-            let (n, order) = s.next_run(chunk.max(1));
+            let (n, order) = s.next_run(cold_chunk.max(1));
+            let n = n.min(*most);
             plan.push((*id, s.n_cached, n, n == pending, order));
         }
         let items: Vec<BatchItem<'_>> = plan
@@ -333,7 +361,7 @@ impl Engine {
         for (id, _, n, last, _) in plan {
             let s = self.seqs.get_mut(&id).expect("planned sequence exists");
             s.n_cached += n;
-            s.store_blocks(&mut self.kv, chunk.max(1));
+            s.store_blocks(&mut self.kv, cold_chunk.max(1));
             if last {
                 out.push((id, logits[li * vocab..(li + 1) * vocab].to_vec()));
                 li += 1;

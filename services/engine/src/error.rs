@@ -34,6 +34,9 @@ pub enum EngineError {
     /// The engine's loop is gone (its thread stopped): the worker cannot serve.
     #[error("engine unavailable: {0}")]
     Unavailable(String),
+    /// The request's deadline passed (or would pass before it finished).
+    #[error("deadline exceeded: {0}")]
+    DeadlineExceeded(String),
     /// A batched step failed for reasons of its own, not of one request.
     #[error("engine step failed: {0}")]
     StepFailed(String),
@@ -58,6 +61,7 @@ impl EngineError {
             EngineError::Fetch(_) => "fetch",
             EngineError::Unavailable(_) => "unavailable",
             EngineError::StepFailed(_) => "step_failed",
+            EngineError::DeadlineExceeded(_) => "deadline_exceeded",
         }
     }
 

@@ -213,10 +213,14 @@ impl<'a> Marks<'a> {
                     .unwrap_or_default()
             ),
             "prefill compute" => format!(
-                "{} prompt tokens in a batch of {} ({} tokens){}",
+                "{} prompt tokens in a batch of {} ({} tokens){}{}",
                 int(forward, attr::PROMPT_TOKENS).unwrap_or(0),
                 int(forward, attr::BATCH_SIZE).unwrap_or(0),
                 int(forward, attr::BATCH_TOKENS).unwrap_or(0),
+                int(forward, attr::PREFILL_STEPS)
+                    .filter(|n| *n > 1)
+                    .map(|n| format!(", over {n} steps"))
+                    .unwrap_or_default(),
                 int(forward, attr::PREFILL_CACHED_TOKENS)
                     .filter(|n| *n > 0)
                     .map(|n| format!(

@@ -1,6 +1,9 @@
-//! The prefill loop: one OS thread owns the engine; queued prompts are run
-//! together in batched steps (up to `max_batch` sequences and
-//! `batch_tokens` prompt tokens) and each gets its first token sampled.
+//! The prefill loop: one OS thread owns the engine. Queued prompts enter
+//! it first come first served (up to `max_batch` at once) and are computed
+//! in forward steps of at most `step_tokens` prompt tokens in all, so a
+//! long prompt is spread over steps and no step runs for seconds. A prompt
+//! that is all in gets its first token sampled and leaves at once; one
+//! whose caller went away or whose deadline passed stops at the next step.
 //! Its blocks stay pinned until the caller has moved the KV (NIXL reads
 //! them in place; TCP asks for a copy) and releases them — a [`Pinned`]
 //! guard does that however the caller ends. Jobs whose caller went away
@@ -16,7 +19,7 @@ use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::blocks::PrefixCounters;
 use pdmesh_engine::model::StepOptions;
-use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId, TokenEvent};
+use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
 use pdmesh_prefix::{BlockHash, CacheLog};
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
@@ -27,9 +30,12 @@ pub struct Job {
     pub reply: oneshot::Sender<Result<Pinned, EngineError>>,
     /// The request's span (parent of `prefill_forward`).
     pub span: tracing::Span,
-    /// `queued`: ends when the job is taken into a step.
+    /// `queued`: ends when the job is taken into the engine.
     pub queued: tracing::Span,
     pub enqueued: Instant,
+    /// When the caller gives up: not started if it cannot finish by then,
+    /// and stopped between steps once it has passed.
+    pub deadline: Option<Instant>,
 }
 
 /// A prefilled sequence whose blocks are pinned in this worker's arena.
@@ -125,7 +131,7 @@ impl Drop for StopOnDrop {
 }
 
 impl Batcher {
-    pub fn start(engine: Engine, max_batch: usize, batch_tokens: usize, kernel_spans: KernelSpans) -> Batcher {
+    pub fn start(engine: Engine, max_batch: usize, step_tokens: usize, kernel_spans: KernelSpans) -> Batcher {
         let stats = Arc::new(Stats {
             running: AtomicU32::new(0),
             queued: AtomicU32::new(0),
@@ -161,9 +167,11 @@ impl Batcher {
                     q: q2,
                     stats: s2,
                     max_batch: max_batch.max(1),
-                    batch_tokens: batch_tokens.max(1),
+                    step_tokens: step_tokens.max(1),
                     kernel_spans,
                     pinned: Default::default(),
+                    active: Vec::new(),
+                    token_s: 0.0,
                 })
             })
             .expect("spawn prefill loop");
@@ -174,7 +182,12 @@ impl Batcher {
     /// The returned guard releases the blocks when dropped. Spans: `queued`
     /// (with the queue depth and running count on arrival) and
     /// `prefill_forward`, children of the current span.
-    pub async fn prefill(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Pinned, EngineError> {
+    pub async fn prefill(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        deadline: Option<Instant>,
+    ) -> Result<Pinned, EngineError> {
         let (reply, rx) = oneshot::channel();
         {
             let mut g = self.q.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -187,7 +200,7 @@ impl Batcher {
                 { attr::QUEUE_HELD_MS } = tracing::field::Empty,
             );
             self.stats.queued_tokens.fetch_add(prompt.len() as u64, Ordering::Relaxed);
-            g.jobs.push_back(Job { prompt, params, reply, span, queued, enqueued: Instant::now() });
+            g.jobs.push_back(Job { prompt, params, reply, span, queued, enqueued: Instant::now(), deadline });
             self.stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
         }
         self.q.wake.notify_one();
@@ -235,76 +248,179 @@ impl Drop for Pinned {
     }
 }
 
-/// Whether the next queued prompt (of `next` tokens) joins a batch that
-/// already has `taken` prompts and `tokens` tokens. The first one always
-/// goes, however long; the rest fill up to both budgets.
-fn joins(taken: usize, tokens: usize, next: usize, max_batch: usize, batch_tokens: usize) -> bool {
-    taken == 0 || (taken < max_batch && tokens + next <= batch_tokens)
+/// How many tokens each active prompt feeds in the next step (`pending[i]`:
+/// tokens the i-th oldest prompt has left). Every prompt first gets up to
+/// an equal share of the `budget`, so a short prompt that arrives behind a
+/// long one finishes in its first step and none starves; what the short
+/// ones leave goes to the oldest first. A step never feeds more than
+/// `budget` tokens (at least one).
+pub fn plan_step(pending: &[usize], budget: usize) -> Vec<usize> {
+    let budget = budget.max(1);
+    let share = (budget / pending.len().max(1)).max(1);
+    let mut left = budget;
+    let mut take: Vec<usize> = pending
+        .iter()
+        .map(|p| {
+            let n = (*p).min(share).min(left);
+            left -= n;
+            n
+        })
+        .collect();
+    for (t, p) in take.iter_mut().zip(pending) {
+        let more = (p - *t).min(left);
+        *t += more;
+        left -= more;
+    }
+    take
 }
 
-/// The prefill loop's own state: the engine, the queue it serves and the
-/// blocks pinned for transfers.
+/// A prompt in the engine, computed over one or more steps.
+struct Active {
+    id: SeqId,
+    job: Job,
+    /// `prefill_forward`: from admission until the first token.
+    forward: tracing::Span,
+    steps: u32,
+}
+
+/// The prefill loop's own state: the engine, the queue it serves, the
+/// prompts being computed, and the blocks pinned for transfers.
 struct Loop {
     engine: Engine,
     q: Arc<Queue>,
     stats: Arc<Stats>,
     max_batch: usize,
-    batch_tokens: usize,
+    /// Most prompt tokens one step feeds, over all prompts.
+    step_tokens: usize,
     kernel_spans: KernelSpans,
     pinned: std::collections::HashMap<SeqId, u32>,
+    active: Vec<Active>,
+    /// Seconds per computed prompt token, smoothed over steps (for the
+    /// deadline check).
+    token_s: f64,
 }
 
 fn run(mut l: Loop) {
-    while let Some((batch, cmds)) = l.next() {
+    while let Some(cmds) = l.wait() {
         l.apply(cmds);
-        if !batch.is_empty() {
-            l.step(batch);
+        l.drop_gone();
+        l.admit_queued();
+        if !l.active.is_empty() {
+            l.step();
         }
+        l.publish();
     }
 }
 
 impl Loop {
-    /// Wait for work; take the next batch and the pending commands. None once stopped.
-    fn next(&mut self) -> Option<(Vec<Job>, Vec<Cmd>)> {
-        let (q, stats) = (&self.q, &self.stats);
-        let mut batch: Vec<Job> = Vec::new();
+    /// Wait until there is something to do; the pending commands. None once stopped.
+    fn wait(&mut self) -> Option<Vec<Cmd>> {
+        let q = self.q.clone();
         let mut g = q.state.lock().unwrap_or_else(|e| e.into_inner());
-        while g.jobs.is_empty() && g.cmds.is_empty() && !g.stop {
-            g = q.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+        loop {
+            if g.stop {
+                return None;
+            }
+            if !g.cmds.is_empty() || !self.active.is_empty() {
+                return Some(std::mem::take(&mut g.cmds));
+            }
+            // Test-only fault: keep each prompt queued at least this long.
+            let hold = Duration::from_millis(pdmesh_core::faults::get("prefill.queue_hold_ms"));
+            match g.jobs.front().map(|j| j.enqueued.elapsed()) {
+                Some(waited) if waited >= hold => return Some(Vec::new()),
+                Some(waited) => g = q.wake.wait_timeout(g, hold - waited).unwrap_or_else(|e| e.into_inner()).0,
+                None => g = q.wake.wait(g).unwrap_or_else(|e| e.into_inner()),
+            }
         }
-        if g.stop {
+    }
+
+    /// Release the prompts whose caller went away or whose deadline passed
+    /// (between steps: a long prompt stops consuming prefill at once).
+    fn drop_gone(&mut self) {
+        let now = Instant::now();
+        let (gone, keep): (Vec<Active>, Vec<Active>) = std::mem::take(&mut self.active)
+            .into_iter()
+            .partition(|a| a.job.reply.is_closed() || a.job.deadline.is_some_and(|d| d <= now));
+        self.active = keep;
+        for a in gone {
+            let _ = self.engine.release(a.id);
+            if a.job.reply.is_closed() {
+                self.stats.outcomes.inc(Outcome::Cancelled);
+                pdmesh_core::telemetry::mark_error(&a.forward, "the caller went away; prefill stopped");
+            } else {
+                let why = "the request's deadline passed during its prefill";
+                pdmesh_core::telemetry::mark_error(&a.forward, why);
+                let _ = a.job.reply.send(Err(EngineError::DeadlineExceeded(why.into())));
+            }
+        }
+    }
+
+    /// Move queued prompts into the engine, first come first served, while
+    /// fewer than `max_batch` are active and the arena has room. A prompt
+    /// that cannot finish before its deadline is refused, not started.
+    fn admit_queued(&mut self) {
+        let q = self.q.clone();
+        let mut g = q.state.lock().unwrap_or_else(|e| e.into_inner());
+        let hold = Duration::from_millis(pdmesh_core::faults::get("prefill.queue_hold_ms"));
+        while self.active.len() < self.max_batch {
+            let Some(front) = g.jobs.front() else { break };
+            if front.enqueued.elapsed() < hold {
+                break;
+            }
+            let job = g.jobs.pop_front().expect("front exists");
+            if !hold.is_zero() {
+                job.queued.record(attr::QUEUE_HELD_MS, hold.as_millis() as i64);
+            }
+            if let Some(job) = self.admit(job) {
+                g.jobs.push_front(job); // no KV room until a prompt finishes
+                break;
+            }
+        }
+        self.stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
+        self.stats.queued_tokens.store(g.jobs.iter().map(|j| j.prompt.len() as u64).sum(), Ordering::Relaxed);
+        self.stats.running.store(self.active.len() as u32, Ordering::Relaxed);
+    }
+
+    /// Add one prompt to the engine (only the prompt: the decode worker
+    /// holds the rest), or answer it at once. Returns the job when the
+    /// arena is full but other prompts will free room.
+    fn admit(&mut self, job: Job) -> Option<Job> {
+        if job.reply.is_closed() {
+            self.stats.outcomes.inc(Outcome::Cancelled);
             return None;
         }
-        // Test-only fault: keep each prompt queued at least this long.
-        let hold = Duration::from_millis(pdmesh_core::faults::get("prefill.queue_hold_ms"));
-        let mut tokens = 0;
-        while let Some(j) = g.jobs.front() {
-            if j.reply.is_closed() {
-                g.jobs.pop_front();
-                stats.outcomes.inc(Outcome::Cancelled);
-                continue;
+        let params = SamplingParams { max_tokens: 1, ..job.params.clone() };
+        let id = match self.engine.add_sequence(job.prompt.clone(), params) {
+            Ok(id) => id,
+            Err(EngineError::KvFull { .. }) if !self.active.is_empty() => return Some(job),
+            Err(e) => {
+                let _ = job.reply.send(Err(e));
+                return None;
             }
-            let waited = j.enqueued.elapsed();
-            if waited < hold {
-                if batch.is_empty() && g.cmds.is_empty() {
-                    let (g2, _) = q.wake.wait_timeout(g, hold - waited).unwrap_or_else(|e| e.into_inner());
-                    g = g2;
-                    continue;
-                }
-                break;
+        };
+        let cached = self.engine.reused_tokens(id).unwrap_or(0);
+        let computed = job.prompt.len() - cached;
+        if let Some(d) = job.deadline {
+            let need = Duration::from_secs_f64(computed as f64 * self.token_s);
+            if Instant::now() + need > d {
+                let _ = self.engine.release(id);
+                let why = format!(
+                    "its {computed} prompt tokens need about {:.0} ms, past the deadline",
+                    need.as_secs_f64() * 1e3
+                );
+                let _ = job.reply.send(Err(EngineError::DeadlineExceeded(why)));
+                return None;
             }
-            if !hold.is_zero() {
-                j.queued.record(attr::QUEUE_HELD_MS, hold.as_millis() as i64);
-            }
-            if !joins(batch.len(), tokens, j.prompt.len(), self.max_batch, self.batch_tokens) {
-                break;
-            }
-            tokens += j.prompt.len();
-            batch.push(g.jobs.pop_front().expect("front exists"));
         }
-        stats.queued.store(g.jobs.len() as u32, Ordering::Relaxed);
-        stats.queued_tokens.store(g.jobs.iter().map(|j| j.prompt.len() as u64).sum(), Ordering::Relaxed);
-        Some((batch, std::mem::take(&mut g.cmds)))
+        let mut job = job;
+        job.queued = tracing::Span::none(); // ends the `queued` span
+        let forward = tracing::info_span!(parent: &job.span, span::PREFILL_FORWARD,
+            { attr::BATCH_SIZE } = tracing::field::Empty, { attr::BATCH_TOKENS } = tracing::field::Empty,
+            { attr::PROMPT_TOKENS } = job.prompt.len() as i64,
+            { attr::PREFILL_CACHED_TOKENS } = cached as i64, { attr::PREFILL_COMPUTED_TOKENS } = computed as i64,
+            { attr::PREFILL_STEPS } = tracing::field::Empty);
+        self.active.push(Active { id, job, forward, steps: 0 });
+        None
     }
 
     fn apply(&mut self, cmds: Vec<Cmd>) {
@@ -320,10 +436,10 @@ impl Loop {
                 }
             }
         }
-        self.publish();
     }
 
     fn publish(&mut self) {
+        self.stats.running.store(self.active.len() as u32, Ordering::Relaxed);
         self.stats.kv_pinned.store(self.pinned.values().sum(), Ordering::Relaxed);
         self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
         let blocks = &mut self.engine.kv.blocks;
@@ -336,119 +452,115 @@ impl Loop {
         p.free = blocks.available() - blocks.evictable();
     }
 
-    /// One batched prompt forward: admit, run, deliver each first token.
-    fn step(&mut self, mut batch: Vec<Job>) {
-        self.stats.running.store(batch.len() as u32, Ordering::Relaxed);
-        let n_batch = batch.len();
-        let batch_tokens: usize = batch.iter().map(|j| j.prompt.len()).sum();
-        let forwards: Vec<tracing::Span> = batch
-            .iter_mut()
-            .map(|job| {
-                job.queued = tracing::Span::none(); // ends the `queued` span
-                tracing::info_span!(parent: &job.span, span::PREFILL_FORWARD, { attr::BATCH_SIZE } = n_batch as i64,
-                    { attr::BATCH_TOKENS } = batch_tokens as i64, { attr::PROMPT_TOKENS } = job.prompt.len() as i64,
-                    { attr::PREFILL_CACHED_TOKENS } = tracing::field::Empty,
-                    { attr::PREFILL_COMPUTED_TOKENS } = tracing::field::Empty)
-            })
-            .collect();
-        let admitted = self.admit(batch, &forwards);
-        if !admitted.is_empty() {
-            let ids: Vec<SeqId> = admitted.iter().map(|(id, _)| *id).collect();
-            let step = pdmesh_worker::step_span(span::PREFILL_STEP, forwards.iter(), n_batch);
-            let trace_id = pdmesh_core::telemetry::trace_id(&step);
-            let t = Instant::now();
-            let result = {
-                let _in = step.enter();
-                let kernel_spans = !step.is_disabled() && self.kernel_spans.covers(1);
-                self.engine.prefill_with(&ids, StepOptions { kernel_spans })
-            };
-            drop(step);
-            self.stats.step_seconds.observe_traced(t.elapsed().as_secs_f64(), trace_id.as_deref());
-            self.stats.steps.fetch_add(1, Ordering::Relaxed);
-            self.deliver(admitted, result);
-        }
-        drop(forwards);
-        self.stats.running.store(0, Ordering::Relaxed);
-        self.publish();
-    }
-
-    /// Add each prompt to the engine (only the prompt: the decode worker
-    /// holds the rest); a prompt that cannot be added is answered at once.
-    fn admit(&mut self, batch: Vec<Job>, forwards: &[tracing::Span]) -> Vec<(SeqId, Job)> {
-        let mut admitted = Vec::new();
-        for (job, forward) in batch.into_iter().zip(forwards) {
-            let params = SamplingParams { max_tokens: 1, ..job.params.clone() };
-            match self.engine.add_sequence(job.prompt.clone(), params) {
-                Ok(id) => {
-                    let cached = self.engine.reused_tokens(id).unwrap_or(0);
-                    forward.record(attr::PREFILL_CACHED_TOKENS, cached as i64);
-                    forward.record(attr::PREFILL_COMPUTED_TOKENS, (job.prompt.len() - cached) as i64);
-                    admitted.push((id, job));
-                }
-                Err(e) => {
-                    let _ = job.reply.send(Err(e));
-                }
+    /// One forward step under the token budget; every prompt it completes
+    /// gets its first token and is delivered at once.
+    fn step(&mut self) {
+        let pending: Vec<usize> = self.active.iter().map(|a| self.engine.pending(a.id).unwrap_or(0)).collect();
+        let take = plan_step(&pending, self.step_tokens);
+        let runs: Vec<(SeqId, usize)> =
+            self.active.iter().zip(&take).filter(|(_, n)| **n > 0).map(|(a, n)| (a.id, *n)).collect();
+        let tokens: usize = take.iter().sum();
+        for (a, n) in self.active.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
+            a.steps += 1;
+            if a.steps == 1 {
+                a.forward.record(attr::BATCH_SIZE, runs.len() as i64);
+                a.forward.record(attr::BATCH_TOKENS, tokens as i64);
             }
+            let _ = n;
         }
-        self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
-        admitted
-    }
-
-    /// Answer each admitted prompt: its first token and pinned blocks, or the error.
-    fn deliver(&mut self, admitted: Vec<(SeqId, Job)>, result: Result<Vec<TokenEvent>, EngineError>) {
-        let events = match result {
-            Ok(ev) => ev,
-            Err(e) => {
-                for (id, job) in admitted {
-                    let _ = self.engine.release(id);
-                    let _ = job.reply.send(Err(EngineError::StepFailed(format!("prefill: {e}"))));
-                }
-                return;
-            }
+        let in_step = self.active.iter().zip(&take).filter(|(_, n)| **n > 0).map(|(a, _)| &a.forward);
+        let step = pdmesh_worker::step_span(span::PREFILL_STEP, in_step, runs.len());
+        let trace_id = pdmesh_core::telemetry::trace_id(&step);
+        let t = Instant::now();
+        let result = {
+            let _in = step.enter();
+            let kernel_spans = !step.is_disabled() && self.kernel_spans.covers(1);
+            self.engine.forward_some(&runs, StepOptions { kernel_spans })
         };
-        for (id, job) in admitted {
-            let computed = job.prompt.len() - self.engine.reused_tokens(id).unwrap_or(0);
-            self.stats.prompt_tokens.fetch_add(computed as u64, Ordering::Relaxed);
-            let n_tokens = job.prompt.len();
-            let engine = &self.engine;
-            let blocks = engine.blocks(id).map(|b| b[..engine.kv.layout.blocks_for(n_tokens)].to_vec());
-            let cached_tokens = engine.reused_tokens(id).unwrap_or(0);
-            let r = match (events.iter().find(|e| e.seq == id), blocks) {
-                (Some(ev), Ok(blocks)) => {
-                    Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens })
-                }
-                (None, _) => Err(EngineError::InvalidArgument("prefill produced no token".into())),
-                (_, Err(e)) => Err(e),
-            };
-            match r {
-                Ok(p) => {
-                    self.pinned.insert(id, engine.blocks(id).map(|b| b.len() as u32).unwrap_or(0));
-                    // Undelivered, the guard is dropped and queues its own release.
-                    let _ = job.reply.send(Ok(Pinned { q: self.q.clone(), p }));
-                }
-                Err(e) => {
-                    let _ = self.engine.release(id);
-                    let _ = job.reply.send(Err(e));
+        drop(step);
+        let secs = t.elapsed().as_secs_f64();
+        self.stats.step_seconds.observe_traced(secs, trace_id.as_deref());
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats.prompt_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+        self.token_s = 0.8 * self.token_s + 0.2 * secs / tokens.max(1) as f64;
+        match result {
+            Ok(done) => {
+                for (id, logits) in done {
+                    self.finish(id, &logits);
                 }
             }
+            Err(e) => self.fail(&runs, &e),
         }
+    }
+
+    /// A step failed: every prompt in it gets the error (not its fault).
+    fn fail(&mut self, runs: &[(SeqId, usize)], e: &EngineError) {
+        let (failed, keep): (Vec<Active>, Vec<Active>) =
+            std::mem::take(&mut self.active).into_iter().partition(|a| runs.iter().any(|(id, _)| *id == a.id));
+        self.active = keep;
+        for a in failed {
+            let _ = self.engine.release(a.id);
+            let _ = a.job.reply.send(Err(EngineError::StepFailed(format!("prefill: {e}"))));
+        }
+    }
+
+    /// A prompt is all in: sample its first token and hand its pinned blocks over.
+    fn finish(&mut self, id: SeqId, logits: &[f32]) {
+        let Some(i) = self.active.iter().position(|a| a.id == id) else { return };
+        let a = self.active.remove(i);
+        a.forward.record(attr::PREFILL_STEPS, a.steps as i64);
+        let n_tokens = a.job.prompt.len();
+        let engine = &mut self.engine;
+        let r = engine.accept(id, logits).and_then(|ev| {
+            let blocks = engine.blocks(id)?[..engine.kv.layout.blocks_for(n_tokens)].to_vec();
+            let cached_tokens = engine.reused_tokens(id)?;
+            Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens })
+        });
+        match r {
+            Ok(p) => {
+                self.pinned.insert(id, self.engine.blocks(id).map(|b| b.len() as u32).unwrap_or(0));
+                // Undelivered, the guard is dropped and queues its own release.
+                let _ = a.job.reply.send(Ok(Pinned { q: self.q.clone(), p }));
+            }
+            Err(e) => {
+                let _ = self.engine.release(id);
+                let _ = a.job.reply.send(Err(e));
+            }
+        }
+        drop(a.forward);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::joins;
+    use super::plan_step;
 
     #[test]
-    fn the_first_prompt_always_goes_however_long() {
-        assert!(joins(0, 0, 100_000, 32, 2048));
+    fn a_step_never_feeds_more_than_its_budget() {
+        assert_eq!(plan_step(&[5000], 256), vec![256]);
+        assert_eq!(plan_step(&[100, 100, 100], 256), vec![86, 85, 85]);
+        let plan = plan_step(&[300, 20, 7], 128);
+        assert_eq!(plan.iter().sum::<usize>(), 128);
+        assert_eq!(plan_step(&[4, 4], 0), vec![1, 0], "a zero budget still moves one token");
     }
 
     #[test]
-    fn later_prompts_fill_up_to_both_budgets() {
-        assert!(joins(1, 1000, 1048, 32, 2048));
-        assert!(!joins(1, 1000, 1049, 32, 2048), "token budget");
-        assert!(!joins(32, 32, 1, 32, 2048), "batch size");
-        assert!(joins(31, 31, 1, 32, 2048));
+    fn a_short_prompt_behind_a_long_one_finishes_in_one_step() {
+        assert_eq!(plan_step(&[5000, 2], 256), vec![254, 2]);
+        assert_eq!(plan_step(&[10, 2000, 5], 256), vec![10, 241, 5]);
+    }
+
+    #[test]
+    fn every_prompt_moves_every_step_so_none_starves() {
+        let plan = plan_step(&[1000, 1000, 1000, 1000], 256);
+        assert_eq!(plan, vec![64, 64, 64, 64]);
+        // A stream of new prompts behind an old one never stops the old one.
+        let mut old = 1000usize;
+        for _ in 0..10 {
+            let plan = plan_step(&[old, 300, 300, 300, 300, 300, 300, 300], 256);
+            assert!(plan[0] >= 32);
+            old -= plan[0];
+        }
+        assert!(old < 1000 - 300);
     }
 }

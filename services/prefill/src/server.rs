@@ -48,7 +48,7 @@ impl Service {
             .into_inner())
     }
 
-    async fn run(&self, r: pb::PrefillRequest) -> Result<pb::PrefillResponse, Status> {
+    async fn run(&self, r: pb::PrefillRequest, deadline: Option<Instant>) -> Result<pb::PrefillResponse, Status> {
         if r.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is required"));
         }
@@ -56,7 +56,7 @@ impl Service {
         // While the prompt waits and runs, keep the decode's reservation
         // alive: this worker is alive and will write. If it dies, renewals
         // stop and the lease frees the decode's blocks.
-        let job = self.batcher.prefill(r.prompt_ids, params);
+        let job = self.batcher.prefill(r.prompt_ids, params, deadline);
         tokio::pin!(job);
         let period = Duration::from_millis((self.lease_renew_ms / 4).max(50));
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -253,7 +253,8 @@ fn fail(request_id: &str, why: &str) -> kpb::CompleteTicketRequest {
 impl pb::prefill_server::Prefill for Service {
     async fn prefill(&self, req: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
         let span = tracing::Span::current();
-        let r = self.run(req.into_inner()).instrument(span.clone()).await;
+        let deadline = pdmesh_core::grpc::request_timeout(&req).map(|t| Instant::now() + t);
+        let r = self.run(req.into_inner(), deadline).instrument(span.clone()).await;
         let r = telemetry::finish(&span, r);
         let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());
         self.batcher.stats.outcomes.inc(Outcome::of_code(code));

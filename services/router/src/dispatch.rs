@@ -197,7 +197,12 @@ fn start_prefill(job: &Job, prompt: &[u32], ticket_id: &str, ch: Channel) -> Pre
         prompt_ids: prompt.to_vec(),
         sampling: Some(job.sampling),
     };
-    let (preq, pspan) = telemetry::client_request(rpc::PREFILL_PREFILL, preq);
+    let (mut preq, pspan) = telemetry::client_request(rpc::PREFILL_PREFILL, preq);
+    if let Some(d) = job.deadline {
+        preq.set_timeout(
+            d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1)),
+        );
+    }
     AbortOnDrop(tokio::spawn(
         async move {
             let r = ppb::prefill_client::PrefillClient::new(ch).prefill(preq).await;

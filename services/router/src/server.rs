@@ -176,8 +176,9 @@ impl Router {
 
     /// Run `job` within `deadline` or until the caller goes away; on failure
     /// cancel its ticket and send the status; count it in the metrics.
-    async fn serve(self: Arc<Self>, input: Input, job: Job, deadline: Duration, tx: Tx) {
+    async fn serve(self: Arc<Self>, input: Input, mut job: Job, deadline: Duration, tx: Tx) {
         let t0 = Instant::now();
+        job.deadline = Some(t0 + deadline);
         let ticket = Mutex::new(String::new());
         let r = tokio::select! {
             r = tokio::time::timeout(deadline, self.run(input, job, &tx, &ticket)) => r.unwrap_or_else(|_| {

@@ -11,6 +11,10 @@ pub struct Job {
     pub max_tokens: u32,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// When the request must end (set once it is accepted); the prefill
+    /// call carries what is left of it, so a prompt that cannot make it is
+    /// not started and one whose time is up stops.
+    pub deadline: Option<std::time::Instant>,
 }
 
 /// Longest caller-chosen request id.
@@ -55,7 +59,14 @@ pub fn validate(
     } else {
         r.request_id
     };
-    let job = Job { request_id, sampling: s, max_tokens: r.max_tokens, stop: r.stop, ignore_eos: r.ignore_eos };
+    let job = Job {
+        request_id,
+        sampling: s,
+        max_tokens: r.max_tokens,
+        stop: r.stop,
+        ignore_eos: r.ignore_eos,
+        deadline: None,
+    };
     Ok((input, job))
 }
 
