@@ -11,14 +11,18 @@
 #
 #   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
 #
-# WHICH is a comma list of the workload numbers above (default all).
-# Writes docs/benchmarks/prefix-cache-<date>-<n>.{json,md}. Build
+# WHICH is a comma list of the workload numbers above (default all);
+# LEVELS=1,4,16,32 sets the sweep's concurrency levels and TAG=name adds
+# -name to the output files.
+# Writes docs/benchmarks/prefix-cache-<date>-<n>[-$TAG].{json,md}. Build
 # llama-server outside this repository (../shared/BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?path of llama-server}
 rounds=${2:-2}
 which=${3:-1,2,3,4,5,6}
+levels=${LEVELS:-1,4,16,32}
+tag=${TAG:+-$TAG}
 bin=target/release
 day=$(date +%F)
 out=docs/benchmarks
@@ -46,7 +50,7 @@ lt() { # lt N LABEL_B TARGET_B REGISTRY ARGS...
   shift 4
   "$bin/pdmesh-loadtest" --target 127.0.0.1:18180 --target-b "$target_b" --label-a pdmesh --label-b "$label_b" \
     --ab-rounds "$rounds" --registry-dir "$work/$reg/registry" --meshctl "$bin/meshctl" --seed 1 "$@" \
-    --out "$out/prefix-cache-$day-$n.json" --markdown "$out/prefix-cache-$day-$n.md"
+    --out "$out/prefix-cache-$day-$n$tag.json" --markdown "$out/prefix-cache-$day-$n$tag.md"
 }
 
 set -x
@@ -58,7 +62,7 @@ if want 1 || want 2 || want 3 || want 4; then
     --ignore-eos --system-prompt-tokens 400
   want 3 && lt 3 llama-server 127.0.0.1:18181 on --mode closed --concurrency 1 --requests 16 --max-tokens 16 \
     --ignore-eos --repeat-prompt --system-prompt-tokens 100
-  want 4 && lt 4 llama-server 127.0.0.1:18181 on --mode closed --concurrency 1,4,16,32 --requests 32 --max-tokens 64 \
+  want 4 && lt 4 llama-server 127.0.0.1:18181 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
     --ignore-eos --unique-prompts
   pkill -f -- "--port 18181" || true
   stop_meshes
@@ -66,7 +70,7 @@ fi
 if want 5; then
   mesh on 18180
   mesh off 18182 --prefix-cache-blocks 0 --router-policy least-busy
-  lt 5 pdmesh-cache-off 127.0.0.1:18182 on --mode closed --concurrency 1,4,16,32 --requests 32 --max-tokens 64 \
+  lt 5 pdmesh-cache-off 127.0.0.1:18182 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
     --ignore-eos --unique-prompts
   stop_meshes
 fi

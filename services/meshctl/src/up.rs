@@ -40,6 +40,9 @@ pub struct Args {
     /// KV blocks of the prefill worker.
     #[arg(long, default_value_t = 512)]
     pub prefill_kv_blocks: usize,
+    /// Step budget of each prefill worker: most prompt tokens one forward step feeds.
+    #[arg(long, default_value_t = 2048)]
+    pub prefill_batch_tokens: usize,
     /// Prefix cache of each prefill worker: most blocks kept for reuse (0 = off).
     #[arg(long, default_value_t = 1024)]
     pub prefix_cache_blocks: usize,
@@ -299,6 +302,7 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
                 args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
             } else {
                 args.extend(["--prefix-cache-blocks".into(), a.prefix_cache_blocks.to_string()]);
+                args.extend(["--batch-tokens".into(), a.prefill_batch_tokens.to_string()]);
             }
             args
         }

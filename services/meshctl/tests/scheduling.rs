@@ -13,7 +13,7 @@ use common::Mesh;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_long_prompt_neither_blocks_short_ones_nor_outlives_its_client() {
-    let mesh = Mesh::up(&[]);
+    let mesh = Mesh::up(&["--prefill-batch-tokens", "128"]);
     let gauge = |name: &'static str| {
         let mesh = &mesh;
         async move { mesh.gauge("prefill", name).await }

@@ -11,7 +11,7 @@ pub struct Config {
     /// Most prompt tokens one prefill step feeds, over all prompts: longer
     /// prompts are spread over several steps, so a short prompt waits at
     /// most about one step behind a long one.
-    #[arg(long, env = "PDMESH_PREFILL_BATCH_TOKENS", default_value_t = 128)]
+    #[arg(long, env = "PDMESH_PREFILL_BATCH_TOKENS", default_value_t = 2048)]
     pub batch_tokens: usize,
     /// How long to wait for the decode worker to open the transfer ticket, in milliseconds.
     #[arg(long, env = "PDMESH_PREFILL_CLAIM_TIMEOUT_MS", default_value_t = 10_000)]
