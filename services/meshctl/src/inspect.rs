@@ -208,6 +208,13 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
         println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
         return Ok(());
     }
+    print_probe(&report, &before, &trace_id);
+    Ok(())
+}
+
+/// The probe's report for people: its latency, the chosen workers' load
+/// before and after, and the wait the prefill queue implied.
+fn print_probe(report: &Value, before: &[Value], trace_id: &str) {
     println!(
         "probe: {} tokens, TTFT {:.1} ms, total {:.1} ms",
         report["completion_tokens"],
@@ -228,6 +235,15 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
             af["queued"].as_u64().unwrap_or(0) + af["awaiting_kv"].as_u64().unwrap_or(0)
         );
     }
+    for w in before.iter().filter(|w| w["load"].get("expected_wait_seconds").is_some()) {
+        let l = &w["load"];
+        println!(
+            "  {}: a prompt arriving before the probe would have waited ~{:.1} s for the prefill ahead of it ({} prompts running, {} prompt tokens queued)",
+            w["id"].as_str().unwrap_or("?"),
+            l["expected_wait_seconds"].as_f64().unwrap_or(0.0),
+            l["running"].as_u64().unwrap_or(0),
+            l["queued_tokens"].as_u64().unwrap_or(0)
+        );
+    }
     println!("trace {trace_id} (if tracing is on: meshctl explain {trace_id} --jaeger URL | --otlp-file FILE)");
-    Ok(())
 }

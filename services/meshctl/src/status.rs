@@ -26,7 +26,9 @@ pub struct Args {
 fn load_of(service: &str, metrics: &str) -> serde_json::Value {
     let names: &[&str] = match service {
         "decode" => &["running", "queued", "awaiting_kv", "kv_blocks_used", "kv_blocks_total"],
-        "prefill" => &["running", "queued", "kv_blocks_used", "kv_blocks_total"],
+        "prefill" => {
+            &["running", "queued", "queued_tokens", "expected_wait_seconds", "kv_blocks_used", "kv_blocks_total"]
+        }
         "router" | "gateway" => &["in_flight"],
         _ => &[],
     };

@@ -46,6 +46,8 @@ async fn a_long_prompt_neither_blocks_short_ones_nor_outlives_its_client() {
         "the short request waited for most of the long prompt ({computed} tokens in, {short:?})"
     );
     assert!(gauge("pdmesh_prefill_steps_total").await - steps_before >= 2.0, "the long prompt is spread over steps");
+    let wait = gauge("pdmesh_prefill_expected_wait_seconds").await;
+    assert!(wait > 0.5, "the rest of the long prompt is work ahead of any newcomer: expected wait {wait} s");
 
     // The long prompt's client goes away: its prefill stops between steps.
     drop(client);

@@ -72,6 +72,9 @@ pub struct Stats {
     pub outcomes: Outcomes,
     /// Prompt tokens queued, not yet in a step.
     pub queued_tokens: AtomicU64,
+    /// How long a prompt arriving now would wait for the prefill ahead of
+    /// it (queued and unfinished prompt tokens at the measured speed), in ms.
+    pub expected_wait_ms: AtomicU64,
     /// Bytes of one KV block.
     pub block_bytes: usize,
     /// The prefix cache as the loop last published it.
@@ -147,6 +150,7 @@ impl Batcher {
             transfers_tcp: AtomicU64::new(0),
             outcomes: Outcomes::default(),
             queued_tokens: AtomicU64::new(0),
+            expected_wait_ms: AtomicU64::new(0),
             block_bytes: engine.kv.layout.block_bytes(),
             prefix: Mutex::new(PrefixView {
                 hashing: engine.kv.blocks.hashing(),
@@ -438,6 +442,9 @@ impl Loop {
 
     fn publish(&mut self) {
         self.stats.running.store(self.active.len() as u32, Ordering::Relaxed);
+        let ahead: usize = self.active.iter().map(|a| self.engine.pending(a.id).unwrap_or(0)).sum::<usize>()
+            + self.stats.queued_tokens.load(Ordering::Relaxed) as usize;
+        self.stats.expected_wait_ms.store((ahead as f64 * self.token_s * 1e3) as u64, Ordering::Relaxed);
         self.stats.kv_pinned.store(self.pinned.values().sum(), Ordering::Relaxed);
         self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
         let blocks = &mut self.engine.kv.blocks;

@@ -25,6 +25,16 @@ fn render(st: &Stats, f: Format) -> String {
     let g = |a: &std::sync::atomic::AtomicU32| a.load(Ordering::Relaxed) as f64;
     t.gauge("pdmesh_prefill_running", "Prompts in the forward step now running.", g(&st.running))
         .gauge("pdmesh_prefill_queued", "Prompts waiting for a forward step.", g(&st.queued))
+        .gauge(
+            "pdmesh_prefill_queued_tokens",
+            "Prompt tokens of the queued prompts.",
+            st.queued_tokens.load(Ordering::Relaxed) as f64,
+        )
+        .gauge(
+            "pdmesh_prefill_expected_wait_seconds",
+            "How long a prompt arriving now would wait for the prefill ahead of it (queued and unfinished prompt tokens at the measured speed).",
+            st.expected_wait_ms.load(Ordering::Relaxed) as f64 / 1e3,
+        )
         .gauge("pdmesh_prefill_kv_blocks_used", "KV blocks in use (only during a step).", g(&st.kv_used))
         .gauge("pdmesh_prefill_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
         .gauge(

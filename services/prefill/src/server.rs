@@ -271,6 +271,7 @@ impl pb::prefill_server::Prefill for Service {
             kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
             prefix_cache: prefix_delta(st, req.cache_epoch, req.cache_seq),
             queued_tokens: st.queued_tokens.load(Ordering::Relaxed),
+            expected_wait_ms: st.expected_wait_ms.load(Ordering::Relaxed),
         }))
     }
 }
