@@ -465,13 +465,12 @@ impl Loop {
         let runs: Vec<(SeqId, usize)> =
             self.active.iter().zip(&take).filter(|(_, n)| **n > 0).map(|(a, n)| (a.id, *n)).collect();
         let tokens: usize = take.iter().sum();
-        for (a, n) in self.active.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
+        for (a, _) in self.active.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
             a.steps += 1;
             if a.steps == 1 {
                 a.forward.record(attr::BATCH_SIZE, runs.len() as i64);
                 a.forward.record(attr::BATCH_TOKENS, tokens as i64);
             }
-            let _ = n;
         }
         let in_step = self.active.iter().zip(&take).filter(|(_, n)| **n > 0).map(|(a, _)| &a.forward);
         let step = pdmesh_worker::step_span(span::PREFILL_STEP, in_step, runs.len());

@@ -146,10 +146,15 @@ impl Mirror {
         self.seq = d.seq;
     }
 
+    /// Whether this worker holds the block hashing to `h`.
+    pub fn holds(&self, h: &BlockHash) -> bool {
+        self.held.contains(h)
+    }
+
     /// How many leading blocks of a request (its chained `hashes`) this
     /// worker holds.
     pub fn overlap(&self, hashes: &[BlockHash]) -> usize {
-        hashes.iter().take_while(|h| self.held.contains(h)).count()
+        hashes.iter().take_while(|h| self.holds(h)).count()
     }
 }
 

@@ -44,10 +44,8 @@ const SENT_TTL: Duration = Duration::from_secs(2);
 
 impl WorkerCache {
     fn overlap(&self, hashes: &[BlockHash], now: Instant) -> u32 {
-        let held = |h: &BlockHash| {
-            self.mirror.overlap(std::slice::from_ref(h)) == 1
-                || self.sent.get(h).is_some_and(|t| now.duration_since(*t) < SENT_TTL)
-        };
+        let held =
+            |h: &BlockHash| self.mirror.holds(h) || self.sent.get(h).is_some_and(|t| now.duration_since(*t) < SENT_TTL);
         hashes.iter().take_while(|h| held(h)).count() as u32
     }
 }
@@ -99,7 +97,8 @@ impl Loads {
         let mut caches = lock(&self.caches);
         let now = Instant::now();
         let mut hashed: HashMap<(BlockHash, usize), Vec<BlockHash>> = HashMap::new();
-        let mut overlap = Overlap::default();
+        // The prompt's full blocks by some worker's block size, for the policy.
+        let mut prompt_blocks = 0;
         let candidates: Vec<Candidate> = {
             let polled = lock(&self.polled);
             list.iter()
@@ -110,7 +109,7 @@ impl Loads {
                             let hashes = hashed
                                 .entry((c.seed, c.block_size))
                                 .or_insert_with(|| pdmesh_prefix::chain(c.seed, c.block_size, p.tokens, usize::MAX));
-                            overlap = Overlap { prompt_blocks: hashes.len() as u32, block_size: c.block_size as u32 };
+                            prompt_blocks = hashes.len() as u32;
                             c.overlap(hashes, now)
                         }
                         _ => 0,
@@ -124,11 +123,13 @@ impl Loads {
                 })
                 .collect()
         };
-        let (i, branch) = policy(&candidates, &overlap)?;
+        let (i, branch) = policy(&candidates, &Overlap { prompt_blocks, block_size: 0 })?;
         let addr = list[i].grpc_addr.clone();
+        let mut overlap = Overlap::default();
         if let Some(c) = caches.get_mut(&addr) {
             if let Some(h) = hashed.get(&(c.seed, c.block_size)) {
-                overlap.prompt_blocks = h.len() as u32;
+                // The chosen worker's own view: its block size, its count.
+                overlap = Overlap { prompt_blocks: h.len() as u32, block_size: c.block_size as u32 };
                 c.sent.retain(|_, t| now.duration_since(*t) < SENT_TTL);
                 c.sent.extend(h.iter().map(|h| (*h, now)));
             }
