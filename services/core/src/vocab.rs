@@ -116,6 +116,15 @@ pub mod attr {
     /// The prompt's full blocks (what the overlap is out of).
     pub const PICK_PROMPT_BLOCKS: &str = "prompt_blocks";
     pub const PICK_QUEUED_TOKENS_POLLED: &str = "queued_tokens_polled";
+    /// Where the prompt is prefilled: `local` (by the decode worker itself)
+    /// or `remote` (by a prefill worker, the KV moved over).
+    pub const ROUTE_PREFILL_MODE: &str = "prefill.mode";
+    /// Why: `tail_within_threshold`, `tail_over_threshold`, `disabled`.
+    pub const ROUTE_PREFILL_MODE_REASON: &str = "prefill.mode_reason";
+    /// Prompt tokens the decode worker would compute (not in its prefix cache).
+    pub const ROUTE_LOCAL_TAIL_TOKENS: &str = "prefill.local_tail_tokens";
+    /// The router's `--max-local-prefill`.
+    pub const ROUTE_MAX_LOCAL_PREFILL: &str = "prefill.max_local_prefill";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
     pub const DETOKENIZE_BUSY_MS: &str = "detokenize.busy_ms";
 
@@ -131,6 +140,8 @@ pub mod attr {
     pub const PREFILL_COMPUTED_TOKENS: &str = "prefill.computed_tokens";
     /// `prefill_forward`: the forward steps this prompt was spread over.
     pub const PREFILL_STEPS: &str = "prefill.steps";
+    /// `prefill_forward`: true when the decode worker ran it (local prefill).
+    pub const PREFILL_LOCAL: &str = "prefill.local";
 
     // KV transfer.
     pub const KV_TRANSPORT: &str = "kv.transport";

@@ -3,8 +3,14 @@
 //! token; every iteration admits waiting sequences (up to `max_batch`), runs
 //! one decode step for all running ones, streams each its token, and
 //! releases the finished and the abandoned (their stream's receiver is gone).
+//!
+//! A local prefill (conditional disaggregation) skips the transfer: the
+//! prompt reuses what this worker's prefix cache holds (earlier turns of
+//! the same chat, answers included) and its tail rides in the decode steps,
+//! at most `local_step_tokens` prompt tokens per step, oldest first, so
+//! running sequences keep their pace.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -16,6 +22,7 @@ use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as pb;
+use pdmesh_worker::prefix::SharedPrefix;
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 use tonic::Status;
@@ -24,10 +31,32 @@ use tonic::Status;
 pub type Events = tokio::sync::mpsc::UnboundedSender<Result<pb::GenerateResponse, Status>>;
 
 enum Cmd {
-    Reserve { prompt: Vec<u32>, params: SamplingParams, reply: oneshot::Sender<Result<(SeqId, Vec<u32>), EngineError>> },
-    Import { seq: SeqId, blob: KvBlob, reply: oneshot::Sender<Result<(), EngineError>> },
-    Start { seq: SeqId, first_token: u32, events: Events, span: tracing::Span },
-    Release { seq: SeqId },
+    Reserve {
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        reply: oneshot::Sender<Result<(SeqId, Vec<u32>), EngineError>>,
+    },
+    Import {
+        seq: SeqId,
+        blob: KvBlob,
+        reply: oneshot::Sender<Result<(), EngineError>>,
+    },
+    Start {
+        seq: SeqId,
+        first_token: u32,
+        events: Events,
+        span: tracing::Span,
+    },
+    Local {
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        events: Events,
+        span: tracing::Span,
+        reply: oneshot::Sender<Result<u32, EngineError>>,
+    },
+    Release {
+        seq: SeqId,
+    },
 }
 
 /// Live load, read by /metrics and the Load RPC.
@@ -45,6 +74,14 @@ pub struct Stats {
     pub tokens: AtomicU64,
     pub step_seconds: Histogram,
     pub outcomes: Outcomes,
+    /// Local prefills admitted and not yet at their first token.
+    pub local_prefilling: AtomicU32,
+    /// Local prefills admitted.
+    pub local_prefills: AtomicU64,
+    /// Prompt tokens computed by local prefills.
+    pub local_prefill_tokens: AtomicU64,
+    pub prefix: SharedPrefix,
+    pub block_bytes: usize,
 }
 
 /// Handle to the decode loop.
@@ -60,7 +97,7 @@ fn gone() -> EngineError {
 
 impl Batcher {
     /// Start the loop on its own thread; it ends when every handle is dropped.
-    pub fn start(engine: Engine, max_batch: usize, kernel_spans: KernelSpans) -> Batcher {
+    pub fn start(engine: Engine, max_batch: usize, local_step_tokens: usize, kernel_spans: KernelSpans) -> Batcher {
         let stats = Arc::new(Stats {
             running: AtomicU32::new(0),
             queued: AtomicU32::new(0),
@@ -72,6 +109,11 @@ impl Batcher {
             tokens: AtomicU64::new(0),
             step_seconds: Histogram::latency(),
             outcomes: Outcomes::default(),
+            local_prefilling: AtomicU32::new(0),
+            local_prefills: AtomicU64::new(0),
+            local_prefill_tokens: AtomicU64::new(0),
+            prefix: SharedPrefix::new(&engine.kv.blocks),
+            block_bytes: engine.kv.layout.block_bytes(),
         });
         let (tx, rx) = mpsc::channel();
         let s = stats.clone();
@@ -81,10 +123,12 @@ impl Batcher {
                 Loop {
                     engine,
                     max_batch: max_batch.max(1),
+                    local_step_tokens: local_step_tokens.max(1),
                     kernel_spans,
                     stats: s,
                     ready: VecDeque::new(),
                     running: Vec::new(),
+                    prefilling: VecDeque::new(),
                     reserved: Default::default(),
                 }
                 .run(rx)
@@ -114,6 +158,21 @@ impl Batcher {
         let _ = self.tx.send(Cmd::Start { seq, first_token, events, span });
     }
 
+    /// Prefill `prompt` here and decode it: events go to `events` (the
+    /// first token once the prompt is in). Returns the prompt tokens reused
+    /// from the prefix cache; KvFull when the blocks are not free.
+    pub async fn local(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        events: Events,
+        span: tracing::Span,
+    ) -> Result<u32, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Local { prompt, params, events, span, reply }).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
     /// Free a sequence that never started (unknown ids are ignored).
     pub fn release(&self, seq: SeqId) {
         let _ = self.tx.send(Cmd::Release { seq });
@@ -124,6 +183,8 @@ struct Seq {
     id: SeqId,
     events: Events,
     n_prompt: u32,
+    /// Prompt tokens a local prefill reused from the prefix cache.
+    n_cached: u32,
     n_generated: u32,
     /// `decode_loop`: from joining the batch to the end; records the steps
     /// it rode in and their batch sizes.
@@ -146,16 +207,31 @@ impl Drop for Seq {
     }
 }
 
+/// A local prefill on its way to the first token.
+struct Prefilling {
+    id: SeqId,
+    events: Events,
+    server: tracing::Span,
+    /// `prefill_forward` (with `prefill.local`): all the prompt's steps.
+    forward: tracing::Span,
+    n_cached: u32,
+    steps: u32,
+}
+
 struct Loop {
     engine: Engine,
     max_batch: usize,
+    /// Most prompt tokens of local prefills one step feeds.
+    local_step_tokens: usize,
     kernel_spans: KernelSpans,
     stats: Arc<Stats>,
     /// Started, waiting for a batch slot.
     ready: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Local prefills, oldest first.
+    prefilling: VecDeque<Prefilling>,
     /// Blocks of sequences reserved but not started.
-    reserved: std::collections::HashMap<SeqId, u32>,
+    reserved: HashMap<SeqId, u32>,
 }
 
 fn reason(f: FinishReason) -> i32 {
@@ -169,7 +245,7 @@ impl Loop {
     fn run(mut self, rx: mpsc::Receiver<Cmd>) {
         loop {
             // Idle: block for work. Busy: take what has arrived and step.
-            let idle = self.running.is_empty() && self.ready.is_empty();
+            let idle = self.running.is_empty() && self.ready.is_empty() && self.prefilling.is_empty();
             let first = if idle {
                 match rx.recv_timeout(Duration::from_millis(500)) {
                     Ok(c) => Some(c),
@@ -194,7 +270,7 @@ impl Loop {
                 let Some(s) = self.ready.pop_front() else { break };
                 self.running.push(s);
             }
-            if !self.running.is_empty() {
+            if !self.running.is_empty() || !self.prefilling.is_empty() {
                 self.step();
             }
             self.publish();
@@ -228,43 +304,96 @@ impl Loop {
             Cmd::Start { seq, first_token, events, span: server } => {
                 self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
                 self.reserved.remove(&seq);
-                let n_prompt = self.engine.prompt_len(seq).unwrap_or(0) as u32;
-                match self.engine.attach_first_token(seq, first_token) {
-                    Ok(ev) => {
-                        let span = tracing::info_span!(
-                            parent: &server,
-                            "decode_loop",
-                            { attr::DECODE_RUNNING_ON_JOIN } = self.running.len() as i64,
-                            { attr::DECODE_WAITING_ON_JOIN } = self.ready.len() as i64,
-                            { attr::DECODE_STEPS } = tracing::field::Empty,
-                            { attr::DECODE_TOKENS } = tracing::field::Empty,
-                            { attr::DECODE_BATCH_MAX } = tracing::field::Empty,
-                            { attr::DECODE_BATCH_MEAN } = tracing::field::Empty,
-                        );
-                        let mut s = Seq {
-                            id: seq,
-                            events,
-                            n_prompt,
-                            n_generated: 0,
-                            span,
-                            _server: server,
-                            steps: 0,
-                            batch_sum: 0,
-                            batch_max: 0,
-                        };
-                        if self.emit(&mut s, &ev) {
-                            self.ready.push_back(s);
-                        }
-                    }
-                    Err(e) => {
-                        let _ = events.send(Err(pdmesh_worker::status(&e)));
-                        self.stats.outcomes.inc(Outcome::Internal);
-                        let _ = self.engine.release(seq);
-                    }
-                }
+                let ev = self.engine.attach_first_token(seq, first_token);
+                self.join(seq, ev, events, server, 0);
             }
+            Cmd::Local { prompt, params, events, span, reply } => self.admit_local(prompt, params, events, span, reply),
             Cmd::Release { seq } => self.release_reserved(seq),
         }
+    }
+
+    /// A sequence with its first token joins the waiting line (or ends,
+    /// when that token ends it); `server` is the request's span.
+    fn join(
+        &mut self,
+        seq: SeqId,
+        first: Result<TokenEvent, EngineError>,
+        events: Events,
+        server: tracing::Span,
+        n_cached: u32,
+    ) {
+        let n_prompt = self.engine.prompt_len(seq).unwrap_or(0) as u32;
+        match first {
+            Ok(ev) => {
+                let span = tracing::info_span!(
+                    parent: &server,
+                    "decode_loop",
+                    { attr::DECODE_RUNNING_ON_JOIN } = self.running.len() as i64,
+                    { attr::DECODE_WAITING_ON_JOIN } = self.ready.len() as i64,
+                    { attr::DECODE_STEPS } = tracing::field::Empty,
+                    { attr::DECODE_TOKENS } = tracing::field::Empty,
+                    { attr::DECODE_BATCH_MAX } = tracing::field::Empty,
+                    { attr::DECODE_BATCH_MEAN } = tracing::field::Empty,
+                );
+                let mut s = Seq {
+                    id: seq,
+                    events,
+                    n_prompt,
+                    n_cached,
+                    n_generated: 0,
+                    span,
+                    _server: server,
+                    steps: 0,
+                    batch_sum: 0,
+                    batch_max: 0,
+                };
+                if self.emit(&mut s, &ev) {
+                    self.ready.push_back(s);
+                }
+            }
+            Err(e) => {
+                let _ = events.send(Err(pdmesh_worker::status(&e)));
+                self.stats.outcomes.inc(Outcome::Internal);
+                let _ = self.engine.release(seq);
+            }
+        }
+    }
+
+    /// Admit a local prefill: reuse the cached prefix, queue the rest.
+    fn admit_local(
+        &mut self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        events: Events,
+        server: tracing::Span,
+        reply: oneshot::Sender<Result<u32, EngineError>>,
+    ) {
+        let n_prompt = prompt.len() as u32;
+        let id = match self.engine.add_sequence(prompt, params) {
+            Ok(id) => id,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        let n_cached = self.engine.reused_tokens(id).unwrap_or(0) as u32;
+        // Admitted goes first on the stream, before any token this loop sends.
+        let admitted = pb::Admitted { kv_blocks: 0, cached_tokens: n_cached };
+        let sent =
+            events.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Admitted(admitted)) }));
+        if sent.is_err() || reply.send(Ok(n_cached)).is_err() {
+            let _ = self.engine.release(id);
+            return;
+        }
+        let computed = n_prompt - n_cached;
+        self.stats.local_prefills.fetch_add(1, Ordering::Relaxed);
+        self.stats.local_prefill_tokens.fetch_add(computed as u64, Ordering::Relaxed);
+        let forward = tracing::info_span!(parent: &server, span::PREFILL_FORWARD,
+            { attr::PREFILL_LOCAL } = true,
+            { attr::PROMPT_TOKENS } = n_prompt as i64,
+            { attr::PREFILL_CACHED_TOKENS } = n_cached as i64, { attr::PREFILL_COMPUTED_TOKENS } = computed as i64,
+            { attr::PREFILL_STEPS } = tracing::field::Empty);
+        self.prefilling.push_back(Prefilling { id, events, server, forward, n_cached, steps: 0 });
     }
 
     fn release_reserved(&mut self, seq: SeqId) {
@@ -284,7 +413,11 @@ impl Loop {
         };
         let mut alive = s.events.send(Ok(tok)).is_ok();
         if let Some(f) = ev.finish {
-            let usage = common::Usage { prompt_tokens: s.n_prompt, completion_tokens: s.n_generated, cached_tokens: 0 };
+            let usage = common::Usage {
+                prompt_tokens: s.n_prompt,
+                completion_tokens: s.n_generated,
+                cached_tokens: s.n_cached,
+            };
             let fin = pb::GenerateResponse {
                 event: Some(pb::generate_response::Event::Finished(pb::Finished {
                     reason: reason(f),
@@ -318,53 +451,116 @@ impl Loop {
         };
         self.running.retain(&mut keep);
         self.ready.retain(&mut keep);
+        self.prefilling.retain(|p| {
+            if p.events.is_closed() {
+                let _ = engine.release(p.id);
+                stats.outcomes.inc(Outcome::Cancelled);
+                false
+            } else {
+                true
+            }
+        });
     }
 
+    /// The local prefills' share of the next step: up to
+    /// `local_step_tokens` prompt tokens, oldest prompt first.
+    fn plan_local(&self) -> Vec<(SeqId, usize)> {
+        let mut left = self.local_step_tokens;
+        let mut runs = Vec::new();
+        for p in &self.prefilling {
+            let n = self.engine.pending(p.id).unwrap_or(0).min(left);
+            if n == 0 {
+                break;
+            }
+            runs.push((p.id, n));
+            left -= n;
+        }
+        runs
+    }
+
+    /// One engine step: a token for every running sequence, and the next
+    /// slice of the local prefills.
     fn step(&mut self) {
-        let ids: Vec<SeqId> = self.running.iter().map(|s| s.id).collect();
-        let n = ids.len() as u32;
+        let local = self.plan_local();
+        let mut runs: Vec<(SeqId, usize)> = self.running.iter().map(|s| (s.id, 1)).collect();
+        runs.extend_from_slice(&local);
+        let n = self.running.len() as u32;
         for s in &mut self.running {
             s.steps += 1;
             s.batch_sum += n as u64;
             s.batch_max = s.batch_max.max(n);
         }
-        let span = pdmesh_worker::step_span(span::DECODE_STEP, self.running.iter().map(|s| &s.span), ids.len());
+        for p in self.prefilling.iter_mut().take(local.len()) {
+            p.steps += 1;
+        }
+        let requests = self.running.iter().map(|s| &s.span).chain(self.prefilling.iter().map(|p| &p.forward));
+        let span = pdmesh_worker::step_span(span::DECODE_STEP, requests, runs.len());
         let trace_id = pdmesh_core::telemetry::trace_id(&span);
         let kernels = !span.is_disabled() && self.running.iter().any(|s| self.kernel_spans.covers(s.n_generated + 1));
         let t = Instant::now();
         let result = {
             let _in = span.enter();
-            self.engine.decode_with(&ids, StepOptions { kernel_spans: kernels })
+            self.engine.forward_some(&runs, StepOptions { kernel_spans: kernels })
         };
         drop(span);
         self.stats.step_seconds.observe_traced(t.elapsed().as_secs_f64(), trace_id.as_deref());
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
-            Ok(events) => {
-                let mut running = std::mem::take(&mut self.running);
-                running.retain_mut(|s| match events.iter().find(|e| e.seq == s.id) {
-                    Some(ev) => self.emit(s, ev),
-                    None => true,
-                });
-                self.running = running;
-            }
+            Ok(logits) => self.after_step(logits),
             Err(e) => {
                 // A step failure is a bug, not bad input: end every running
                 // request with it rather than retrying forever.
                 let st = pdmesh_worker::status(&e);
+                let why = || Status::internal(format!("decode step failed: {}", st.message()));
                 for s in self.running.drain(..) {
-                    let _ = s.events.send(Err(Status::internal(format!("decode step failed: {}", st.message()))));
+                    let _ = s.events.send(Err(why()));
                     let _ = self.engine.release(s.id);
+                    self.stats.outcomes.inc(Outcome::Internal);
+                }
+                for p in self.prefilling.drain(..) {
+                    let _ = p.events.send(Err(why()));
+                    let _ = self.engine.release(p.id);
                     self.stats.outcomes.inc(Outcome::Internal);
                 }
             }
         }
     }
 
-    fn publish(&self) {
+    /// Sample each finished position: running sequences stream their
+    /// token, local prefills whose prompt is in get their first one.
+    fn after_step(&mut self, logits: Vec<(SeqId, Vec<f32>)>) {
+        let mut events = HashMap::with_capacity(logits.len());
+        for (id, l) in logits {
+            events.insert(id, self.engine.accept(id, &l));
+        }
+        let mut running = std::mem::take(&mut self.running);
+        running.retain_mut(|s| match events.remove(&s.id) {
+            Some(Ok(ev)) => self.emit(s, &ev),
+            Some(Err(e)) => {
+                let _ = s.events.send(Err(pdmesh_worker::status(&e)));
+                let _ = self.engine.release(s.id);
+                self.stats.outcomes.inc(Outcome::Internal);
+                false
+            }
+            None => true,
+        });
+        self.running = running;
+        let (done, waiting): (Vec<_>, Vec<_>) = self.prefilling.drain(..).partition(|p| events.contains_key(&p.id));
+        self.prefilling = waiting.into();
+        for p in done {
+            p.forward.record(attr::PREFILL_STEPS, p.steps as i64);
+            let first = events.remove(&p.id).expect("partitioned on it");
+            drop(p.forward);
+            self.join(p.id, first, p.events, p.server, p.n_cached);
+        }
+    }
+
+    fn publish(&mut self) {
         self.stats.running.store(self.running.len() as u32, Ordering::Relaxed);
         self.stats.queued.store(self.ready.len() as u32, Ordering::Relaxed);
         self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
         self.stats.kv_reserved.store(self.reserved.values().sum(), Ordering::Relaxed);
+        self.stats.local_prefilling.store(self.prefilling.len() as u32, Ordering::Relaxed);
+        self.stats.prefix.refresh(&mut self.engine.kv.blocks);
     }
 }

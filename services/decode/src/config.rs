@@ -15,6 +15,17 @@ pub struct Config {
     /// wait for the prefill's KV before the ticket expires and they are freed.
     #[arg(long, env = "PDMESH_DECODE_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u32,
+    /// Prefix cache: most KV blocks of finished sequences (prompt and
+    /// answer) kept for reuse by local prefills, evicted LRU when the arena
+    /// needs room. 0 switches it off (local prefills then compute the whole
+    /// prompt).
+    #[arg(long, env = "PDMESH_DECODE_PREFIX_CACHE_BLOCKS", default_value_t = 1024)]
+    pub prefix_cache_blocks: usize,
+    /// Most prompt tokens of local prefills fed per decode step (beside one
+    /// token of each running sequence), so a local prefill delays running
+    /// sequences by about one such step.
+    #[arg(long, env = "PDMESH_DECODE_LOCAL_STEP_TOKENS", default_value_t = 256)]
+    pub local_step_tokens: usize,
     #[command(flatten)]
     pub worker: pdmesh_worker::WorkerArgs,
 }

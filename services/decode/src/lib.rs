@@ -30,8 +30,12 @@ fn render(st: &Stats, f: Format) -> String {
         .gauge("pdmesh_decode_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
         .counter("pdmesh_decode_steps_total", "Decode steps run.", st.steps.load(Ordering::Relaxed))
         .counter("pdmesh_decode_tokens_total", "Tokens streamed (including each first token).", st.tokens.load(Ordering::Relaxed))
-        .histogram("pdmesh_decode_step_seconds", "Duration of one decode step.", &st.step_seconds);
+        .histogram("pdmesh_decode_step_seconds", "Duration of one decode step.", &st.step_seconds)
+        .gauge("pdmesh_decode_local_prefilling", "Local prefills admitted and not yet at their first token.", g(&st.local_prefilling))
+        .counter("pdmesh_decode_local_prefills_total", "Prompts prefilled by this decode worker itself (local prefill).", st.local_prefills.load(Ordering::Relaxed))
+        .counter("pdmesh_decode_local_prefill_tokens_total", "Prompt tokens computed by local prefills (cached ones not counted).", st.local_prefill_tokens.load(Ordering::Relaxed));
     st.outcomes.render(&mut t, "pdmesh_decode_requests_total", "Finished decode requests by outcome.");
+    st.prefix.render("decode", st.block_bytes, &mut t);
     t.finish()
 }
 
@@ -41,12 +45,23 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    if config.local_step_tokens == 0 {
+        return Err(ServeError::Setup("--local-step-tokens must be at least 1".into()));
+    }
     let config_json = serde_json::to_value(&config).unwrap_or_default();
-    let w = pdmesh_worker::start_worker("decode", config_json, &config.worker, render).await?;
+    let mut worker = config.worker.clone();
+    worker.engine.prefix_cache_blocks = config.prefix_cache_blocks;
+    worker.engine.cache_generated = true;
+    let w = pdmesh_worker::start_worker("decode", config_json, &worker, render).await?;
     let mut agent = w.agent();
     let pdmesh_worker::Started { admin, engine, stats, worker_id, nixl, broker } = w;
     let layout = engine.kv.layout;
-    let batcher = Batcher::start(engine, config.worker.engine.max_batch, config.worker.engine.trace_kernel_steps);
+    let batcher = Batcher::start(
+        engine,
+        config.worker.engine.max_batch,
+        config.local_step_tokens,
+        config.worker.engine.trace_kernel_steps,
+    );
     let _ = stats.set(batcher.stats.clone());
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;
     agent.address = config.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string());

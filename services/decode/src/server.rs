@@ -118,6 +118,14 @@ impl Service {
 
     async fn admit_inner(&self, r: pb::GenerateRequest, server: &tracing::Span) -> Result<EventStream, Status> {
         let params = pdmesh_worker::sampling(r.sampling.as_ref(), r.max_tokens, &r.stop_ids, r.ignore_eos);
+        if r.local_prefill {
+            let (tx, rx): (Events, _) = tokio::sync::mpsc::unbounded_channel();
+            self.batcher
+                .local(r.prompt_ids, params, tx, server.clone())
+                .await
+                .map_err(|e| pdmesh_worker::status(&e))?;
+            return Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)));
+        }
         let n_prompt = r.prompt_ids.len() as u32;
         let (seq, blocks) = self.batcher.reserve(r.prompt_ids, params).await.map_err(|e| pdmesh_worker::status(&e))?;
         {
@@ -171,7 +179,7 @@ impl Service {
         };
         let (tx, rx): (Events, _) = tokio::sync::mpsc::unbounded_channel();
         let _ = tx.send(Ok(pb::GenerateResponse {
-            event: Some(pb::generate_response::Event::Admitted(pb::Admitted { kv_blocks: n_blocks })),
+            event: Some(pb::generate_response::Event::Admitted(pb::Admitted { kv_blocks: n_blocks, cached_tokens: 0 })),
         }));
         let waiting = Waiting {
             watch,
@@ -280,14 +288,18 @@ impl pb::decode_server::Decode for Service {
         telemetry::finish(&span, r).map(Response::new)
     }
 
-    async fn load(&self, _req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
+    async fn load(&self, req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
+        let req = req.into_inner();
         let st = &self.batcher.stats;
+        let local = st.local_prefilling.load(Ordering::Relaxed);
         Ok(Response::new(pb::LoadResponse {
             running: st.running.load(Ordering::Relaxed),
-            queued: st.queued.load(Ordering::Relaxed) + st.awaiting_kv.load(Ordering::Relaxed),
+            queued: st.queued.load(Ordering::Relaxed) + st.awaiting_kv.load(Ordering::Relaxed) + local,
             kv_blocks_used: st.kv_used.load(Ordering::Relaxed),
             kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
             kv_blocks_pinned: st.kv_reserved.load(Ordering::Relaxed),
+            prefix_cache: st.prefix.delta(req.cache_epoch, req.cache_seq),
+            local_prefilling: local,
         }))
     }
 }

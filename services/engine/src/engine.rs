@@ -30,11 +30,25 @@ pub struct EngineOptions {
     /// Prefix cache: most full prompt blocks kept for reuse once no
     /// sequence holds them (0 = no prefix cache).
     pub prefix_cache_blocks: usize,
+    /// With a prefix cache: a released sequence leaves every position it
+    /// computed or imported, generated tokens included, in the cache (the
+    /// decode side, where the next turn of a chat extends the last answer).
+    /// Positions computed by decode steps sum in the single-token order, so
+    /// a prompt reusing them gets logits equal to a cold prefill's up to
+    /// float rounding, not bit for bit.
+    pub cache_generated: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { block_size: 16, kv_blocks: 2048, threads: 0, prefill_chunk: 512, prefix_cache_blocks: 0 }
+        EngineOptions {
+            block_size: 16,
+            kv_blocks: 2048,
+            threads: 0,
+            prefill_chunk: 512,
+            prefix_cache_blocks: 0,
+            cache_generated: false,
+        }
     }
 }
 
@@ -102,7 +116,7 @@ impl Sequence {
     /// is in. Only positions a cold prefill of a longer prompt would compute
     /// alike are offered: a one-token last chunk runs in the single-token
     /// summation order, so that position is left out.
-    fn store_blocks(&mut self, kv: &mut KvCache, chunk: usize) {
+    fn store_blocks(&mut self, kv: &mut KvCache, chunk: usize, keep_tail_open: bool) {
         let Some((seed, bs)) = kv.blocks.hashing() else { return };
         let last_chunk = (self.n_prompt - 1) % chunk + 1;
         let cacheable = self.n_prompt - usize::from(last_chunk == 1);
@@ -113,7 +127,9 @@ impl Sequence {
             kv.blocks.store(self.blocks[i], self.hashes[i], parent(i), &self.tokens[i * bs..(i + 1) * bs]);
         }
         self.n_stored = self.n_stored.max(full);
-        if self.n_cached >= self.n_prompt && !self.tail_stored {
+        // A sequence that goes on decoding here stores its partial block
+        // when released, with the generated positions in it.
+        if self.n_cached >= self.n_prompt && !self.tail_stored && !keep_tail_open {
             self.tail_stored = true;
             let i = cacheable / bs;
             let tail = &self.tokens[i * bs..cacheable];
@@ -121,6 +137,27 @@ impl Sequence {
                 let p = parent(i);
                 kv.blocks.store(self.blocks[i], pdmesh_prefix::hash::block_hash(p, tail), p, tail);
             }
+        }
+    }
+}
+
+impl Sequence {
+    /// Offer every position with KV (prompt and generated) to the prefix
+    /// cache: its full blocks under the chain of all its tokens, then its
+    /// last, partial block. Blocks already stored stay as they are.
+    fn store_all(&self, kv: &mut KvCache) {
+        let Some((seed, bs)) = kv.blocks.hashing() else { return };
+        let done = &self.tokens[..self.n_cached];
+        let hashes = pdmesh_prefix::chain(seed, bs, done, usize::MAX);
+        let mut parent = seed;
+        for (i, h) in hashes.iter().enumerate() {
+            kv.blocks.store(self.blocks[i], *h, parent, &done[i * bs..(i + 1) * bs]);
+            parent = *h;
+        }
+        let tail = &done[hashes.len() * bs..];
+        if !tail.is_empty() {
+            let b = self.blocks[hashes.len()];
+            kv.blocks.store(b, pdmesh_prefix::hash::block_hash(parent, tail), parent, tail);
         }
     }
 }
@@ -264,8 +301,13 @@ impl Engine {
     }
 
     /// Free a sequence's blocks and forget it. Unknown ids are an error.
+    /// With [`EngineOptions::cache_generated`], its computed positions stay
+    /// in the prefix cache first.
     pub fn release(&mut self, id: SeqId) -> Result<()> {
         let s = self.seqs.remove(&id).ok_or(EngineError::UnknownSequence(id))?;
+        if self.options.cache_generated {
+            s.store_all(&mut self.kv);
+        }
         self.kv.release(&s.blocks);
         Ok(())
     }
@@ -361,7 +403,7 @@ impl Engine {
         for (id, _, n, last, _) in plan {
             let s = self.seqs.get_mut(&id).expect("planned sequence exists");
             s.n_cached += n;
-            s.store_blocks(&mut self.kv, cold_chunk.max(1));
+            s.store_blocks(&mut self.kv, cold_chunk.max(1), self.options.cache_generated);
             if last {
                 out.push((id, logits[li * vocab..(li + 1) * vocab].to_vec()));
                 li += 1;

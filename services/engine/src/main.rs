@@ -122,6 +122,7 @@ fn engine_options(e: &EngineArgs) -> EngineOptions {
         threads: e.threads,
         prefill_chunk: e.prefill_chunk,
         prefix_cache_blocks: 0,
+        cache_generated: false,
     }
 }
 

@@ -49,6 +49,14 @@ pub struct Args {
     /// How the router picks a prefill worker: cache-aware or least-busy.
     #[arg(long, default_value = "cache-aware")]
     pub router_policy: String,
+    /// Prefix cache of each decode worker (finished sequences, answers
+    /// included, reused by local prefills): most blocks kept (0 = off).
+    #[arg(long, default_value_t = 1024)]
+    pub decode_prefix_cache_blocks: usize,
+    /// Local prefill: the decode worker prefills a prompt itself when it
+    /// lacks at most this many of its tokens (0 = always a prefill worker).
+    #[arg(long, default_value_t = 256)]
+    pub max_local_prefill: u32,
     /// KV transport of prefill and decode workers: auto (NIXL when it loads), nixl, tcp.
     #[arg(long, default_value = "auto")]
     pub kv_transport: String,
@@ -300,13 +308,19 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
             ];
             if name == "decode" {
                 args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
+                args.extend(["--prefix-cache-blocks".into(), a.decode_prefix_cache_blocks.to_string()]);
             } else {
                 args.extend(["--prefix-cache-blocks".into(), a.prefix_cache_blocks.to_string()]);
                 args.extend(["--batch-tokens".into(), a.prefill_batch_tokens.to_string()]);
             }
             args
         }
-        "router" => vec!["--policy".into(), a.router_policy.clone()],
+        "router" => vec![
+            "--policy".into(),
+            a.router_policy.clone(),
+            "--max-local-prefill".into(),
+            a.max_local_prefill.to_string(),
+        ],
         _ => vec![],
     }
 }

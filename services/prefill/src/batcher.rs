@@ -11,16 +11,14 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::MutexGuard;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::vocab::{attr, span};
-use pdmesh_engine::blocks::PrefixCounters;
 use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
-use pdmesh_prefix::{BlockHash, CacheLog};
+use pdmesh_worker::prefix::SharedPrefix;
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 
@@ -78,32 +76,8 @@ pub struct Stats {
     /// Bytes of one KV block.
     pub block_bytes: usize,
     /// The prefix cache as the loop last published it.
-    pub prefix: Mutex<PrefixView>,
+    pub prefix: SharedPrefix,
 }
-
-/// The prefix cache seen from outside the loop: its counters, its block
-/// states, and the log of what it holds that routers follow.
-pub struct PrefixView {
-    /// `(seed, block_size)` of the chained hashes; None: no prefix cache.
-    pub hashing: Option<(BlockHash, usize)>,
-    pub counters: PrefixCounters,
-    /// Cached blocks, held or not.
-    pub cached: usize,
-    /// Cached blocks no sequence holds (evictable).
-    pub evictable: usize,
-    /// Blocks on the free list.
-    pub free: usize,
-    pub log: CacheLog,
-}
-
-impl Stats {
-    pub fn prefix(&self) -> MutexGuard<'_, PrefixView> {
-        self.prefix.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// Events a router may lag behind before it must reload the whole set.
-const CACHE_LOG_KEEP: usize = 16_384;
 
 #[derive(Default)]
 struct State {
@@ -152,14 +126,7 @@ impl Batcher {
             queued_tokens: AtomicU64::new(0),
             expected_wait_ms: AtomicU64::new(0),
             block_bytes: engine.kv.layout.block_bytes(),
-            prefix: Mutex::new(PrefixView {
-                hashing: engine.kv.blocks.hashing(),
-                counters: PrefixCounters::default(),
-                cached: 0,
-                evictable: 0,
-                free: engine.kv.total(),
-                log: CacheLog::new(pdmesh_prefix::fresh_epoch(), CACHE_LOG_KEEP),
-            }),
+            prefix: SharedPrefix::new(&engine.kv.blocks),
         });
         let q = Arc::new(Queue { state: Mutex::new(State::default()), wake: Condvar::new() });
         let (q2, s2) = (q.clone(), stats.clone());
@@ -447,14 +414,7 @@ impl Loop {
         self.stats.expected_wait_ms.store((ahead as f64 * self.token_s * 1e3) as u64, Ordering::Relaxed);
         self.stats.kv_pinned.store(self.pinned.values().sum(), Ordering::Relaxed);
         self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
-        let blocks = &mut self.engine.kv.blocks;
-        let events = blocks.take_events();
-        let mut p = self.stats.prefix();
-        p.log.apply(events);
-        p.counters = blocks.counters();
-        p.cached = blocks.cached();
-        p.evictable = blocks.evictable();
-        p.free = blocks.available() - blocks.evictable();
+        self.stats.prefix.refresh(&mut self.engine.kv.blocks);
     }
 
     /// One forward step under the token budget; every prompt it completes

@@ -70,31 +70,8 @@ fn render(st: &Stats, f: Format) -> String {
         ],
     );
     st.outcomes.render(&mut t, "pdmesh_prefill_requests_total", "Finished prefill requests by outcome.");
-    render_prefix(st, &mut t);
+    st.prefix.render("prefill", st.block_bytes, &mut t);
     t.finish()
-}
-
-/// The prefix cache's counters and block states.
-fn render_prefix(st: &Stats, t: &mut Text) {
-    let p = st.prefix();
-    let bytes = p.cached as f64 * st.block_bytes as f64;
-    t.gauge("pdmesh_prefill_kv_blocks_free", "KV blocks on the free list (neither held nor cached).", p.free as f64)
-        .gauge("pdmesh_prefill_prefix_cached_blocks", "KV blocks in the prefix cache, held or not.", p.cached as f64)
-        .gauge(
-            "pdmesh_prefill_prefix_evictable_blocks",
-            "Prefix-cache blocks no request holds (evicted first when room is needed).",
-            p.evictable as f64,
-        )
-        .gauge("pdmesh_prefill_prefix_cached_bytes", "Bytes of KV in the prefix cache.", bytes)
-        .counter("pdmesh_prefill_prefix_lookups_total", "Prompts looked up in the prefix cache.", p.counters.lookups)
-        .counter("pdmesh_prefill_prefix_hits_total", "Prompts that reused at least one cached block.", p.counters.hits)
-        .counter(
-            "pdmesh_prefill_prefix_hit_tokens_total",
-            "Prompt tokens whose KV came from the prefix cache instead of being computed.",
-            p.counters.hit_tokens,
-        )
-        .counter("pdmesh_prefill_prefix_stored_blocks_total", "Blocks stored in the prefix cache.", p.counters.stored)
-        .counter("pdmesh_prefill_prefix_evictions_total", "Prefix-cache blocks evicted.", p.counters.evictions);
 }
 
 /// Load the model, then serve on `listener` until `shutdown` resolves.

@@ -224,23 +224,6 @@ impl Service {
     }
 }
 
-/// What the caller at cursor `(epoch, seq)` lacks of this worker's prefix cache.
-fn prefix_delta(st: &crate::batcher::Stats, epoch: u64, seq: u64) -> Option<pb::PrefixCacheDelta> {
-    let p = st.prefix();
-    let (seed, block_size) = p.hashing?;
-    let d = p.log.since(epoch, seq);
-    Some(pb::PrefixCacheDelta {
-        epoch: d.epoch,
-        seq: d.seq,
-        reset: d.reset,
-        stored: d.stored,
-        removed: d.removed,
-        hash_seed: seed,
-        block_size: block_size as u32,
-        cached_blocks: p.log.len() as u32,
-    })
-}
-
 fn fail(request_id: &str, why: &str) -> kpb::CompleteTicketRequest {
     kpb::CompleteTicketRequest {
         request_id: request_id.into(),
@@ -269,7 +252,7 @@ impl pb::prefill_server::Prefill for Service {
             queued: st.queued.load(Ordering::Relaxed),
             kv_blocks_used: st.kv_used.load(Ordering::Relaxed),
             kv_blocks_total: st.kv_total.load(Ordering::Relaxed),
-            prefix_cache: prefix_delta(st, req.cache_epoch, req.cache_seq),
+            prefix_cache: st.prefix.delta(req.cache_epoch, req.cache_seq),
             queued_tokens: st.queued_tokens.load(Ordering::Relaxed),
             expected_wait_ms: st.expected_wait_ms.load(Ordering::Relaxed),
         }))

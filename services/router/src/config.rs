@@ -28,7 +28,8 @@ pub struct Config {
     pub retries: u32,
     /// How a prefill worker is chosen: `cache-aware` (the worker whose
     /// prefix cache holds most of the prompt, unless loads are out of
-    /// balance) or `least-busy`. Decode workers are always least busy.
+    /// balance) or `least-busy`. Decode workers are picked alike when local
+    /// prefill is on (`--max-local-prefill`), least busy otherwise.
     #[arg(long, env = "PDMESH_ROUTER_POLICY", value_enum, default_value = "cache-aware")]
     pub policy: PolicyName,
     /// cache-aware: least share (0..=1) of the prompt's full blocks a
@@ -43,6 +44,12 @@ pub struct Config {
     /// ... and more than this many times its load (>= 1).
     #[arg(long, env = "PDMESH_ROUTER_BALANCE_REL_THRESHOLD", default_value_t = 1.5)]
     pub balance_rel_threshold: f64,
+    /// Conditional disaggregation: the chosen decode worker prefills a
+    /// prompt itself when the tokens it would compute (the prompt less what
+    /// its prefix cache holds, e.g. the earlier turns of a chat) are at most
+    /// this many; longer ones go to a prefill worker. 0: always a prefill worker.
+    #[arg(long, env = "PDMESH_ROUTER_MAX_LOCAL_PREFILL", default_value_t = 256)]
+    pub max_local_prefill: u32,
     /// Most stop strings per request.
     #[arg(long, env = "PDMESH_ROUTER_MAX_STOP", default_value_t = 8)]
     pub max_stop: usize,

@@ -1,6 +1,8 @@
 //! Dispatch: pick a decode and a prefill worker, send the prompt to both at
 //! once (the decode reserves blocks and opens the ticket, the prefill fills
-//! them), and retry on another pair when a decode worker refuses.
+//! them), and retry on another pair when a decode worker refuses. When the
+//! part of the prompt the decode worker lacks is short, it prefills the
+//! prompt itself (local prefill) and no prefill worker is involved.
 
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
@@ -17,7 +19,7 @@ use tracing::Instrument;
 
 use crate::error::{decode_refusal, retryable};
 use crate::load::{Busy, Overlap, Prompt};
-use crate::pick::{cache_aware, least_busy, Branch, Candidate};
+use crate::pick::{cache_aware, least_busy, prefill_mode, Branch, Candidate, Mode};
 use crate::server::{AbortOnDrop, Router, PEER_WAIT};
 use crate::validate::Job;
 
@@ -26,14 +28,16 @@ pub struct Picked {
     inst: Instance,
     ch: Channel,
     busy: Busy,
+    /// Prompt tokens the worker's prefix cache holds, as far as the router knows.
+    cached_tokens: u32,
 }
 
 /// The prefill and decode worker serving a request: counted as busy, the
 /// decode stream's client span, and their instance ids, while it runs.
 pub struct Pair {
-    _busy: (Busy, Busy),
+    _busy: (Busy, Option<Busy>),
     pub decode_rpc: telemetry::Held,
-    /// [prefill, decode]
+    /// [prefill, decode]: the same worker for a local prefill.
     pub workers: [String; 2],
 }
 
@@ -42,8 +46,11 @@ pub type PrefillCall = AbortOnDrop<Result<tonic::Response<ppb::PrefillResponse>,
 /// A request admitted by a decode worker, its prefill under way.
 pub struct Dispatched {
     pub stream: tonic::Streaming<dpb::GenerateResponse>,
-    pub prefill: PrefillCall,
+    /// None for a local prefill.
+    pub prefill: Option<PrefillCall>,
     pub pair: Pair,
+    /// A local prefill's reused prompt tokens (a remote one's come with the prefill's answer).
+    pub cached_tokens: u32,
 }
 
 impl Router {
@@ -57,7 +64,8 @@ impl Router {
             let ticket_id = self.ticket_id(&job.request_id, attempt);
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
             let (d, p) = self.route(attempt, prompt, &tried_d, &mut tried_p).await?;
-            let (d_addr, d_id, p_addr) = (d.inst.grpc_addr.clone(), d.inst.id.clone(), p.inst.grpc_addr.clone());
+            let (d_addr, d_id) = (d.inst.grpc_addr.clone(), d.inst.id.clone());
+            let p_addr = p.as_ref().map(|p| p.inst.grpc_addr.clone());
             let e = match self.attempt(job, prompt, &ticket_id, d, p).await {
                 Ok(x) => return Ok(x),
                 Err(e) => e,
@@ -69,7 +77,7 @@ impl Router {
                 return Err(decode_refusal(e, &d_id));
             }
             tried_d.push(d_addr);
-            tried_p.push(p_addr);
+            tried_p.extend(p_addr);
             attempt += 1;
         }
     }
@@ -81,20 +89,25 @@ impl Router {
         format!("{request_id}#{:x}.{n}.{attempt}", std::process::id())
     }
 
-    /// The `route` span: a decode worker not yet tried, then a prefill
-    /// worker (every prefill may be tried again once all were).
+    /// The `route` span: a decode worker not yet tried, then where the
+    /// prompt is prefilled: by that worker itself, or by a prefill worker
+    /// (every prefill may be tried again once all were).
     async fn route(
         &self,
         attempt: u32,
         prompt: &[u32],
         tried_d: &[String],
         tried_p: &mut Vec<String>,
-    ) -> Result<(Picked, Picked), Status> {
+    ) -> Result<(Picked, Option<Picked>), Status> {
         let policy = self.policy.name();
         let route =
             tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = policy, { attr::ROUTE_ATTEMPT } = attempt);
         let picked = async {
-            let d = self.pick(&self.decode, tried_d, None).await?;
+            let local_on = self.max_local_prefill > 0;
+            let d = self.pick(&self.decode, tried_d, local_on.then_some(prompt)).await?;
+            if self.prefill_mode(prompt, &d) == Mode::Local {
+                return Ok((d, None));
+            }
             let p = match self.pick(&self.prefill, tried_p, Some(prompt)).await {
                 Ok(p) => p,
                 Err(_) if !tried_p.is_empty() => {
@@ -103,7 +116,7 @@ impl Router {
                 }
                 Err(e) => return Err(e),
             };
-            Ok((d, p))
+            Ok((d, Some(p)))
         }
         .instrument(route.clone())
         .await;
@@ -139,20 +152,34 @@ impl Router {
             self.record_branch(kind, branch, seen, overlap);
         }
         let ch = peers.channel(&inst).map_err(Status::internal)?;
-        Ok(Picked { inst, ch, busy })
+        Ok(Picked { inst, ch, busy, cached_tokens: seen.overlap_blocks * overlap.block_size })
     }
 
-    /// One attempt: start the prefill, open the decode stream and wait for
-    /// its admission. On refusal the prefill call is dropped (aborted).
+    /// Local or remote prefill for `prompt` on decode worker `d`, recorded
+    /// on the current (`route`) span and in the router's metrics.
+    fn prefill_mode(&self, prompt: &[u32], d: &Picked) -> Mode {
+        let (mode, reason, tail) = prefill_mode(self.max_local_prefill, prompt.len() as u32, d.cached_tokens);
+        let span = tracing::Span::current();
+        span.set_attribute(attr::ROUTE_PREFILL_MODE, mode.label());
+        span.set_attribute(attr::ROUTE_PREFILL_MODE_REASON, reason);
+        span.set_attribute(attr::ROUTE_LOCAL_TAIL_TOKENS, tail as i64);
+        span.set_attribute(attr::ROUTE_MAX_LOCAL_PREFILL, self.max_local_prefill as i64);
+        self.metrics.count_mode(mode);
+        mode
+    }
+
+    /// One attempt: start the prefill (unless the decode worker prefills
+    /// locally), open the decode stream and wait for its admission. On
+    /// refusal the prefill call is dropped (aborted).
     async fn attempt(
         &self,
         job: &Job,
         prompt: &[u32],
         ticket_id: &str,
         d: Picked,
-        p: Picked,
+        p: Option<Picked>,
     ) -> Result<Dispatched, Status> {
-        let prefill = start_prefill(job, prompt, ticket_id, p.ch);
+        let prefill = p.as_ref().map(|p| start_prefill(job, prompt, ticket_id, p.ch.clone()));
         let dreq = dpb::GenerateRequest {
             request_id: ticket_id.to_string(),
             prompt_ids: prompt.to_vec(),
@@ -160,28 +187,38 @@ impl Router {
             max_tokens: job.max_tokens,
             stop_ids: vec![],
             ignore_eos: job.ignore_eos,
+            local_prefill: p.is_none(),
         };
         // The decode client span lasts as long as the token stream.
         let (dreq, dspan) = telemetry::client_request(rpc::DECODE_GENERATE, dreq);
         let opened = async {
             let mut s = dpb::decode_client::DecodeClient::new(d.ch).generate(dreq).await?.into_inner();
             match s.message().await? {
-                Some(dpb::GenerateResponse { event: Some(dpb::generate_response::Event::Admitted(_)) }) => Ok(s),
+                Some(dpb::GenerateResponse { event: Some(dpb::generate_response::Event::Admitted(a)) }) => {
+                    Ok((s, a.cached_tokens))
+                }
                 _ => Err(Status::internal("decode worker did not admit the request")),
             }
         }
         .instrument(dspan.clone())
         .await;
         match opened {
-            Ok(stream) => Ok(Dispatched {
-                stream,
-                prefill,
-                pair: Pair {
-                    _busy: (d.busy, p.busy),
-                    decode_rpc: telemetry::Held(dspan),
-                    workers: [p.inst.id, d.inst.id],
-                },
-            }),
+            Ok((stream, cached_tokens)) => {
+                let (p_id, p_busy) = match p {
+                    Some(p) => (p.inst.id, Some(p.busy)),
+                    None => (d.inst.id.clone(), None),
+                };
+                Ok(Dispatched {
+                    stream,
+                    prefill,
+                    pair: Pair {
+                        _busy: (d.busy, p_busy),
+                        decode_rpc: telemetry::Held(dspan),
+                        workers: [p_id, d.inst.id],
+                    },
+                    cached_tokens,
+                })
+            }
             Err(e) => {
                 telemetry::record_status(&dspan, Some(&e));
                 Err(e)
@@ -221,6 +258,9 @@ impl Router {
         span.set_attribute(pick_key(kind, attr::PICK_OVERLAP_BLOCKS), seen.overlap_blocks as i64);
         span.set_attribute(pick_key(kind, attr::PICK_PROMPT_BLOCKS), o.prompt_blocks as i64);
         span.set_attribute(pick_key(kind, attr::PICK_QUEUED_TOKENS_POLLED), seen.polled.queued_tokens as i64);
+        if kind != "prefill" {
+            return;
+        }
         self.metrics.routes.inc(branch);
         let overlap_tokens = u64::from(seen.overlap_blocks) * u64::from(o.block_size);
         self.metrics.route_overlap_tokens.fetch_add(overlap_tokens, Ordering::Relaxed);

@@ -48,7 +48,7 @@ fn render(m: &Metrics, f: Format) -> String {
         );
     t.counter(
         "pdmesh_router_cached_tokens_total",
-        "Prompt tokens of finished requests whose KV came from a prefill worker's prefix cache.",
+        "Prompt tokens of finished requests whose KV came from a worker's prefix cache.",
         m.cached_tokens.load(Ordering::Relaxed),
     )
     .counter(
@@ -62,6 +62,13 @@ fn render(m: &Metrics, f: Format) -> String {
         "Prefill workers picked, by the policy branch taken.",
         "branch",
         &m.routes.counts(),
+    );
+    t.labelled(
+        "pdmesh_router_prefill_mode_total",
+        "counter",
+        "Requests by where their prompt was prefilled: local (by the decode worker) or remote (by a prefill worker).",
+        "mode",
+        &m.mode_counts(),
     );
     m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
     t.finish()
@@ -89,6 +96,7 @@ pub async fn serve(
         retries: config.retries,
         max_stop: config.max_stop,
         policy,
+        max_local_prefill: config.max_local_prefill,
         metrics,
         loads: Default::default(),
         info: Default::default(),

@@ -1,6 +1,6 @@
 //! The load the router sees on each worker: its own in-flight requests per
 //! worker (counted by a guard while a request runs) and each worker's own
-//! load, polled; and, for prefill workers with a prefix cache, a mirror of
+//! load, polled; and, for workers with a prefix cache, a mirror of
 //! which prompt blocks each one holds, kept from the worker's own cache log
 //! (so other routers' requests count, and a restarted worker's empty cache
 //! is known at the next poll).
@@ -13,6 +13,7 @@ use pdmesh_prefix::{BlockHash, Mirror};
 
 use pdmesh_core::discovery::Instance;
 use pdmesh_core::peers::Peers;
+use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_proto::prefill::v1 as ppb;
 use tonic::Request;
@@ -27,7 +28,7 @@ pub struct Loads {
     caches: Mutex<HashMap<String, WorkerCache>>,
 }
 
-/// What the router knows of one prefill worker's prefix cache.
+/// What the router knows of one worker's prefix cache.
 #[derive(Default)]
 struct WorkerCache {
     mirror: Mirror,
@@ -143,13 +144,21 @@ impl Loads {
         lock(&self.caches).get(addr).map(|c| c.mirror.cursor()).unwrap_or_default()
     }
 
+    /// Apply what a worker's Load said of its prefix cache (None: it has none).
+    fn follow_cache(&self, addr: &str, d: Option<common::PrefixCacheDelta>) {
+        match d {
+            Some(d) => self.apply_cache(addr, d),
+            None => self.drop_cache(addr),
+        }
+    }
+
     /// `addr` has no prefix cache (any more).
     fn drop_cache(&self, addr: &str) {
         lock(&self.caches).remove(addr);
     }
 
     /// Apply a polled change of `addr`'s prefix cache.
-    fn apply_cache(&self, addr: &str, d: ppb::PrefixCacheDelta) {
+    fn apply_cache(&self, addr: &str, d: common::PrefixCacheDelta) {
         let mut caches = lock(&self.caches);
         let c = caches.entry(addr.to_string()).or_default();
         c.seed = d.hash_seed;
@@ -177,21 +186,19 @@ impl Loads {
 async fn poll_one(loads: &Loads, peers: &Peers, inst: &Instance) -> Option<Polled> {
     let ch = peers.channel(inst).ok()?;
     let timeout = Duration::from_secs(1);
+    let (cache_epoch, cache_seq) = loads.cache_cursor(&inst.grpc_addr);
     if peers.service() == "decode" {
-        let mut req = Request::new(dpb::LoadRequest {});
+        let mut req = Request::new(dpb::LoadRequest { cache_epoch, cache_seq });
         req.set_timeout(timeout);
         let l = dpb::decode_client::DecodeClient::new(ch).load(req).await.ok()?.into_inner();
+        loads.follow_cache(&inst.grpc_addr, l.prefix_cache);
         let kv_free = l.kv_blocks_total.saturating_sub(l.kv_blocks_used);
         return Some(Polled { busy: l.running + l.queued, kv_free, queued_tokens: 0 });
     }
-    let (cache_epoch, cache_seq) = loads.cache_cursor(&inst.grpc_addr);
     let mut req = Request::new(ppb::LoadRequest { cache_epoch, cache_seq });
     req.set_timeout(timeout);
     let l = ppb::prefill_client::PrefillClient::new(ch).load(req).await.ok()?.into_inner();
-    match l.prefix_cache {
-        Some(d) => loads.apply_cache(&inst.grpc_addr, d),
-        None => loads.drop_cache(&inst.grpc_addr),
-    }
+    loads.follow_cache(&inst.grpc_addr, l.prefix_cache);
     let kv_free = l.kv_blocks_total.saturating_sub(l.kv_blocks_used);
     Some(Polled { busy: l.running + l.queued, kv_free, queued_tokens: l.queued_tokens })
 }

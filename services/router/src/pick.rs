@@ -72,6 +72,42 @@ impl Branch {
     }
 }
 
+/// Where a prompt is prefilled (conditional disaggregation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// By the chosen decode worker itself: no transfer, no second hop.
+    Local,
+    /// By a prefill worker; the KV moves to the decode worker.
+    Remote,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 2] = [Mode::Local, Mode::Remote];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::Local => "local",
+            Mode::Remote => "remote",
+        }
+    }
+}
+
+/// Local when the prompt tokens the decode worker would compute (those
+/// not in its prefix cache, as far as the router knows) are at most
+/// `max_local` (0 turns local prefill off). Returns the mode, its reason
+/// (for the `route` span) and that tail.
+pub fn prefill_mode(max_local: u32, prompt_tokens: u32, decode_cached_tokens: u32) -> (Mode, &'static str, u32) {
+    // The last prompt token is always computed: its logits pick the first token.
+    let tail = prompt_tokens.saturating_sub(decode_cached_tokens).max(1);
+    if max_local == 0 {
+        (Mode::Remote, "disabled", tail)
+    } else if tail <= max_local {
+        (Mode::Local, "tail_within_threshold", tail)
+    } else {
+        (Mode::Remote, "tail_over_threshold", tail)
+    }
+}
+
 /// The thresholds of the cache-aware policy (`--cache-threshold`,
 /// `--balance-abs-threshold`, `--balance-rel-threshold`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
@@ -193,5 +229,17 @@ mod tests {
         list[1].tried = true;
         assert_eq!(least_busy(&list, 0), None);
         assert_eq!(least_busy(&[], 3), None);
+    }
+
+    #[test]
+    fn local_prefill_below_the_threshold_remote_above_it() {
+        use super::{prefill_mode, Mode};
+        assert_eq!(prefill_mode(0, 10, 0), (Mode::Remote, "disabled", 10));
+        assert_eq!(prefill_mode(64, 64, 0), (Mode::Local, "tail_within_threshold", 64));
+        assert_eq!(prefill_mode(64, 65, 0), (Mode::Remote, "tail_over_threshold", 65));
+        // A long prompt whose head the decode worker holds: only the tail counts.
+        assert_eq!(prefill_mode(64, 1000, 960), (Mode::Local, "tail_within_threshold", 40));
+        // All cached still computes one token.
+        assert_eq!(prefill_mode(64, 32, 32), (Mode::Local, "tail_within_threshold", 1));
     }
 }

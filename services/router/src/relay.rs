@@ -40,7 +40,7 @@ struct Out {
     detok: Option<Detok>,
     stops: StopMatcher,
     n_prompt: u32,
-    /// Prompt tokens the prefill worker took from its prefix cache.
+    /// Prompt tokens the prefill (or, locally, the decode) worker took from its prefix cache.
     n_cached: u32,
     n_out: u32,
     started: Instant,
@@ -59,13 +59,12 @@ impl Router {
         started: Instant,
         tx: &Tx,
     ) -> Result<(), Status> {
-        let Dispatched { stream: mut dstream, prefill, pair } = d;
-        let mut prefill = Some(prefill);
+        let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens } = d;
         let mut out = Out {
             detok: None,
             stops: StopMatcher::new(stop),
             n_prompt,
-            n_cached: 0,
+            n_cached: cached_tokens,
             n_out: 0,
             started,
             last_token: None,

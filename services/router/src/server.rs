@@ -42,6 +42,24 @@ pub struct Metrics {
     pub routes: Branches,
     /// Prompt tokens the chosen prefill workers were expected to hold.
     pub route_overlap_tokens: AtomicU64,
+    /// Requests by where their prompt was prefilled ([`crate::pick::Mode::ALL`] order).
+    pub modes: [AtomicU64; 2],
+}
+
+impl Metrics {
+    pub fn count_mode(&self, m: crate::pick::Mode) {
+        let i = crate::pick::Mode::ALL.iter().position(|x| *x == m).unwrap_or(0);
+        self.modes[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(label, count)` of every prefill mode.
+    pub fn mode_counts(&self) -> Vec<(&'static str, f64)> {
+        crate::pick::Mode::ALL
+            .iter()
+            .zip(&self.modes)
+            .map(|(m, n)| (m.label(), n.load(Ordering::Relaxed) as f64))
+            .collect()
+    }
 }
 
 /// Counts of prefill picks by policy branch.
@@ -74,6 +92,8 @@ pub struct Router {
     pub max_stop: usize,
     /// How prefill workers are picked.
     pub policy: crate::config::Policy,
+    /// `--max-local-prefill` (0: never).
+    pub max_local_prefill: u32,
     pub metrics: Arc<Metrics>,
     /// In-flight counts of this router and the workers' polled loads.
     pub loads: Arc<Loads>,

@@ -3,6 +3,7 @@
 //! wire and engine types, and the kvbroker client.
 
 pub mod kv;
+pub mod prefix;
 
 pub use kv::{layout_from_wire, layout_to_wire};
 
@@ -61,10 +62,12 @@ pub struct EngineArgs {
     /// prefill is step 1).
     #[arg(long, env = "PDMESH_TRACE_KERNEL_STEPS", default_value = "off")]
     pub trace_kernel_steps: KernelSpans,
-    /// Set by the prefill worker from its own `--prefix-cache-blocks` (a
-    /// decode worker imports every prompt's KV and keeps no prefix cache).
+    /// Set by each worker from its own `--prefix-cache-blocks`.
     #[arg(skip)]
     pub prefix_cache_blocks: usize,
+    /// Set by the decode worker: finished sequences stay in its prefix cache.
+    #[arg(skip)]
+    pub cache_generated: bool,
 }
 
 /// The kernel-span knob (`--trace-kernel-steps`).
@@ -140,6 +143,7 @@ impl EngineArgs {
             threads: self.threads,
             prefill_chunk: self.prefill_chunk,
             prefix_cache_blocks: self.prefix_cache_blocks,
+            cache_generated: self.cache_generated,
         }
     }
 
