@@ -8,6 +8,9 @@
 #   4. unique prompts (sweep)    pdmesh (cache on)  vs llama-server
 #   5. unique prompts (sweep)    pdmesh (cache on)  vs pdmesh (cache off)
 #   6. agentic, 2 prefill workers: cache-aware vs least-busy routing
+#   7. agentic: decode cache with answers vs prompts only (--decode-prefix-cache-generated false)
+#   8. agentic: local prefill vs none (--max-local-prefill 0)
+#   9. unique prompts (sweep): local prefill vs none
 #
 #   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
 #
@@ -20,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?path of llama-server}
 rounds=${2:-2}
-which=${3:-1,2,3,4,5,6}
+which=${3:-1,2,3,4,5,6,7,8,9}
 levels=${LEVELS:-1,4,16,32}
 tag=${TAG:+-$TAG}
 bin=target/release
@@ -78,5 +81,20 @@ if want 6; then
   mesh aware 18180 --prefill-replicas 2
   mesh leastbusy 18183 --prefill-replicas 2 --router-policy least-busy
   lt 6 least-busy 127.0.0.1:18183 aware --mode agentic --sessions 8 --rounds 4 --think-s 1 --max-tokens 48 --ignore-eos
+  stop_meshes
+fi
+agentic=(--mode agentic --sessions 8 --rounds 3 --think-s 1 --max-tokens 48 --ignore-eos)
+if want 7; then
+  mesh on 18180
+  mesh prompts 18184 --decode-prefix-cache-generated false
+  lt 7 prompts-only 127.0.0.1:18184 on "${agentic[@]}"
+  stop_meshes
+fi
+if want 8 || want 9; then
+  mesh on 18180
+  mesh remote 18185 --max-local-prefill 0
+  want 8 && lt 8 no-local 127.0.0.1:18185 on "${agentic[@]}"
+  want 9 && lt 9 no-local 127.0.0.1:18185 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
+    --ignore-eos --unique-prompts
   stop_meshes
 fi

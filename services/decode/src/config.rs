@@ -21,6 +21,13 @@ pub struct Config {
     /// prompt).
     #[arg(long, env = "PDMESH_DECODE_PREFIX_CACHE_BLOCKS", default_value_t = 1024)]
     pub prefix_cache_blocks: usize,
+    /// `true`: the prefix cache keeps answers too (generated tokens' KV),
+    /// so a chat's next turn computes only its new message. Their KV came
+    /// from single-token decode kernels, so logits of a prompt reusing it
+    /// are close to, not the same bits as, a cold prefill's. `false`: only
+    /// prompt KV computed as a cold prefill would be is kept (exact).
+    #[arg(long, env = "PDMESH_DECODE_PREFIX_CACHE_GENERATED", default_value_t = true, action = clap::ArgAction::Set)]
+    pub prefix_cache_generated: bool,
     /// Most prompt tokens of local prefills fed per decode step (beside one
     /// token of each running sequence), so a local prefill delays running
     /// sequences by about one such step.

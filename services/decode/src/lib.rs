@@ -51,7 +51,7 @@ pub async fn serve(
     let config_json = serde_json::to_value(&config).unwrap_or_default();
     let mut worker = config.worker.clone();
     worker.engine.prefix_cache_blocks = config.prefix_cache_blocks;
-    worker.engine.cache_generated = true;
+    worker.engine.cache_generated = config.prefix_cache_generated;
     let w = pdmesh_worker::start_worker("decode", config_json, &worker, render).await?;
     let mut agent = w.agent();
     let pdmesh_worker::Started { admin, engine, stats, worker_id, nixl, broker } = w;

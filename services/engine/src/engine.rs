@@ -33,9 +33,10 @@ pub struct EngineOptions {
     /// With a prefix cache: a released sequence leaves every position it
     /// computed or imported, generated tokens included, in the cache (the
     /// decode side, where the next turn of a chat extends the last answer).
-    /// Positions computed by decode steps sum in the single-token order, so
-    /// a prompt reusing them gets logits equal to a cold prefill's up to
-    /// float rounding, not bit for bit.
+    /// Positions computed by decode steps run the single-token kernels, so
+    /// a prompt reusing them gets logits close to a cold prefill's, not
+    /// the same bits (greedy tokens can differ at near-ties). Without it,
+    /// only prompt positions computed as a cold prefill would are cached.
     pub cache_generated: bool,
 }
 
@@ -448,6 +449,12 @@ impl Engine {
             return Err(EngineError::BadToken(token));
         }
         s.n_cached = s.n_prompt;
+        // The imported prompt joins the prefix cache (where the prefill
+        // worker computed it as a cold prefill would).
+        if let Some((seed, bs)) = self.kv.blocks.hashing() {
+            s.hashes = pdmesh_prefix::chain(seed, bs, &s.tokens[..s.n_prompt], usize::MAX);
+            s.store_blocks(&mut self.kv, self.options.prefill_chunk, self.options.cache_generated);
+        }
         self.push_token(id, token)
     }
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{golden, ids, load};
-use pdmesh_engine::{Engine, EngineOptions, SamplingParams, SeqId};
+use pdmesh_engine::{ChatMessage, Engine, EngineOptions, SamplingParams, SeqId};
 
 fn greedy(n: usize) -> SamplingParams {
     SamplingParams { max_tokens: n, ignore_eos: true, ..Default::default() }
@@ -66,4 +66,83 @@ fn local_prefill_in_mixed_steps_gives_the_tokens_of_prefill_then_decode() {
     }
     assert_eq!(local.engine.kv.used(), 0, "no block stays held");
     assert_eq!(local.engine.kv.free_blocks(), local.engine.kv.total());
+}
+
+/// The logits after the whole prompt, and how many positions were reused.
+fn prompt_logits(e: &mut Engine, prompt: &[u32]) -> (Vec<f32>, usize) {
+    let id = e.add_sequence(prompt.to_vec(), greedy(1)).unwrap();
+    let reused = e.reused_tokens(id).unwrap();
+    let logits = loop {
+        if let Some((_, l)) = e.forward_some(&[(id, 512)], Default::default()).unwrap().pop() {
+            break l;
+        }
+    };
+    e.release(id).unwrap();
+    (logits, reused)
+}
+
+/// Turn one of a chat as the decode worker runs it (prefilled, 24 decode
+/// steps, released into the cache), and turn two's prompt.
+fn two_turns(w: &mut common::Fixture) -> (Vec<u32>, Vec<u32>) {
+    let q1 = "What is the tallest mountain in Europe? Answer in one sentence.";
+    let turn1 = w.tok.encode_chat(&[ChatMessage::user(q1)]).unwrap();
+    let a1 = mixed(&mut w.engine, std::slice::from_ref(&turn1), 24, 256).remove(0);
+    let answer = w.tok.decode(&a1, true);
+    let turn2 = w
+        .tok
+        .encode_chat(&[
+            ChatMessage::user(q1),
+            ChatMessage { role: "assistant".into(), content: answer },
+            ChatMessage::user("And the tallest in Africa?"),
+        ])
+        .unwrap();
+    (turn1, turn2)
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn without_answers_the_decode_cache_keeps_prompts_and_stays_exact() {
+    let mut cold = load(EngineOptions::default());
+    let mut w = load(EngineOptions { prefix_cache_blocks: 256, cache_generated: false, ..Default::default() });
+    let (turn1, turn2) = two_turns(&mut w);
+    let (want, _) = prompt_logits(&mut cold.engine, &turn2);
+    let (got, reused) = prompt_logits(&mut w.engine, &turn2);
+    assert!(
+        reused > 0 && reused <= turn1.len(),
+        "turn one's prompt (not its answer) is reused: {reused} of {}",
+        turn1.len()
+    );
+    assert!(bits(&got) == bits(&want), "reusing prompt KV only keeps the logits bit for bit");
+    assert_eq!(w.engine.kv.used(), 0);
+}
+
+#[test]
+fn with_answers_the_next_turn_reuses_them_and_stays_close_to_cold() {
+    let mut cold = load(EngineOptions::default());
+    let mut w = load(EngineOptions { prefix_cache_blocks: 256, cache_generated: true, ..Default::default() });
+    let (turn1, turn2) = two_turns(&mut w);
+    let (want, _) = prompt_logits(&mut cold.engine, &turn2);
+    let (got, reused) = prompt_logits(&mut w.engine, &turn2);
+    assert!(
+        reused > turn1.len() + 8,
+        "the answer's positions are reused: {reused} of {} (turn one {})",
+        turn2.len(),
+        turn1.len()
+    );
+    // The answer's KV came from single-token decode kernels, not the
+    // prefill's: close to a cold prefill's logits, not the same bits
+    // (measured: at most ~2% of the largest logit on this chat).
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let diff = want.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff <= 0.05 * scale, "max |logit difference| {diff} against a largest logit of {scale}");
+    let argmax = |v: &[f32]| (0..v.len()).max_by(|a, b| v[*a].total_cmp(&v[*b])).unwrap();
+    assert_eq!(argmax(&got), argmax(&want));
+    // This chat has no near-tie: its answer is the same token for token.
+    let cold_out = cold.engine.generate_all(std::slice::from_ref(&turn2), &greedy(16), 1).unwrap();
+    let warm_out = mixed(&mut w.engine, std::slice::from_ref(&turn2), 16, 256);
+    assert_eq!(warm_out, cold_out);
+    assert_eq!(w.engine.kv.used(), 0);
 }

@@ -181,27 +181,7 @@ impl<'a> Marks<'a> {
         } = *self;
         match cause {
             "gateway/proxy" => format!("gateway {}", instance(gateway)),
-            "router" => {
-                let route = find(spans, |s| s.name == span::ROUTE);
-                let pick = route
-                    .map(|r| {
-                        let branch = r
-                            .attr_str(&pick_key("prefill", attr::PICK_BRANCH))
-                            .map(|b| {
-                                let int = |k| r.attr_f64(&pick_key("prefill", k)).unwrap_or(0.0) as i64;
-                                let (held, of) = (int(attr::PICK_OVERLAP_BLOCKS), int(attr::PICK_PROMPT_BLOCKS));
-                                format!(" ({b}: holds {held} of {of} prompt blocks)")
-                            })
-                            .unwrap_or_default();
-                        format!(
-                            "picked {}{branch} and {}",
-                            r.attr_str(&pick_key("prefill", attr::PICK_INSTANCE)).unwrap_or("?"),
-                            r.attr_str(&pick_key("decode", attr::PICK_INSTANCE)).unwrap_or("?")
-                        )
-                    })
-                    .unwrap_or_default();
-                format!("router {}; {pick}", instance(router))
-            }
+            "router" => format!("router {}; {}", instance(router), route_detail(spans)),
             "tokenize" => format!("{} prompt tokens", int(tokenize, attr::PROMPT_TOKENS).unwrap_or(0)),
             "queue wait" => format!(
                 "behind {} running and {} queued on {}{}",
@@ -341,4 +321,34 @@ impl Explanation {
         out += &format!("\n{}\n", self.sentence);
         out
     }
+}
+
+/// Which workers the `route` span says were picked, and why.
+fn route_detail(spans: &[Span]) -> String {
+    let route = find(spans, |s| s.name == span::ROUTE);
+    route
+        .map(|r| {
+            let branch = r
+                .attr_str(&pick_key("prefill", attr::PICK_BRANCH))
+                .map(|b| {
+                    let int = |k| r.attr_f64(&pick_key("prefill", k)).unwrap_or(0.0) as i64;
+                    let (held, of) = (int(attr::PICK_OVERLAP_BLOCKS), int(attr::PICK_PROMPT_BLOCKS));
+                    format!(" ({b}: holds {held} of {of} prompt blocks)")
+                })
+                .unwrap_or_default();
+            let decode = r.attr_str(&pick_key("decode", attr::PICK_INSTANCE)).unwrap_or("?");
+            if r.attr_str(attr::ROUTE_PREFILL_MODE) == Some("local") {
+                let int = |k| r.attr_f64(k).unwrap_or(0.0) as i64;
+                return format!(
+                    "picked {decode}, which prefilled locally ({} uncached prompt tokens, at most {})",
+                    int(attr::ROUTE_LOCAL_TAIL_TOKENS),
+                    int(attr::ROUTE_MAX_LOCAL_PREFILL)
+                );
+            }
+            format!(
+                "picked {}{branch} and {decode}",
+                r.attr_str(&pick_key("prefill", attr::PICK_INSTANCE)).unwrap_or("?"),
+            )
+        })
+        .unwrap_or_default()
 }

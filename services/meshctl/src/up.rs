@@ -53,6 +53,10 @@ pub struct Args {
     /// included, reused by local prefills): most blocks kept (0 = off).
     #[arg(long, default_value_t = 1024)]
     pub decode_prefix_cache_blocks: usize,
+    /// Whether decode workers' prefix caches keep answers (generated
+    /// tokens' KV; close to, not the same bits as, a cold prefill's).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub decode_prefix_cache_generated: bool,
     /// Local prefill: the decode worker prefills a prompt itself when it
     /// lacks at most this many of its tokens (0 = always a prefill worker).
     #[arg(long, default_value_t = 256)]
@@ -309,6 +313,7 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
             if name == "decode" {
                 args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
                 args.extend(["--prefix-cache-blocks".into(), a.decode_prefix_cache_blocks.to_string()]);
+                args.extend(["--prefix-cache-generated".into(), a.decode_prefix_cache_generated.to_string()]);
             } else {
                 args.extend(["--prefix-cache-blocks".into(), a.prefix_cache_blocks.to_string()]);
                 args.extend(["--batch-tokens".into(), a.prefill_batch_tokens.to_string()]);

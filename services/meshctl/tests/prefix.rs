@@ -2,7 +2,9 @@
 //! official `openai` client gets the same greedy answers with the cache on
 //! (repeats and second turns reusing KV) as with it off; two prefill
 //! workers keep a conversation on the one that holds it; a restarted
-//! worker starts cold and the router stops counting on its old cache.
+//! worker starts cold and the router stops counting on its old cache; a
+//! decode worker prefills short prompts (and the new tail of a chat it
+//! holds) itself, with the answers of the disaggregated path.
 
 mod common;
 
@@ -143,4 +145,62 @@ fn pid_of(i: &pdmesh_core::discovery::Instance) -> i32 {
     let Ok((200, body)) = got else { return 0 };
     let v: Value = serde_json::from_str(&body).unwrap_or_default();
     v["pid"].as_u64().unwrap_or(0) as i32
+}
+
+/// `pdmesh_router_prefill_mode_total` by mode: (local, remote).
+async fn modes(mesh: &Mesh) -> (f64, f64) {
+    let m = |mode: &str| format!("pdmesh_router_prefill_mode_total{{mode=\"{mode}\"}}");
+    (total(mesh, "router", &m("local")).await, total(mesh, "router", &m("remote")).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_prefill_answers_as_the_prefill_workers_do() {
+    // Every prompt local: golden prompts, their repeats and two-turn chats
+    // (the second turn reusing the first answer's KV on the decode worker).
+    let mesh = Mesh::up(&["--max-local-prefill", "100000"]);
+    let local = answers(&mesh);
+    let (n_local, n_remote) = modes(&mesh).await;
+    assert!(n_local > 0.0 && n_remote == 0.0, "every prompt local: {n_local} local, {n_remote} remote");
+    assert_eq!(total(&mesh, "prefill", "pdmesh_prefill_requests_total{outcome=\"ok\"}").await, 0.0);
+    assert!(total(&mesh, "decode", "pdmesh_decode_local_prefills_total").await >= n_local);
+    mesh.assert_released(Duration::from_secs(10)).await;
+    drop(mesh);
+    let remote = answers(&Mesh::up(&["--max-local-prefill", "0"]));
+    for (a, b) in local["golden"].as_array().unwrap().iter().zip(remote["golden"].as_array().unwrap()) {
+        assert_eq!(a["first"]["text"], b["first"]["text"], "local prefill changed the answer to {}", a["prompt"]);
+        assert_eq!(a["again"]["text"], b["again"]["text"], "a local repeat changed the answer to {}", a["prompt"]);
+        let n = num(&a["again"]["prompt_tokens"]);
+        assert_eq!(num(&a["again"]["cached_tokens"]), n - 1, "a local repeat reuses all but its last token");
+    }
+    for (a, b) in local["chats"].as_array().unwrap().iter().zip(remote["chats"].as_array().unwrap()) {
+        for turn in ["turn1", "turn2", "turn2_again"] {
+            assert_eq!(a[turn]["text"], b[turn]["text"], "{turn} of a chat differs with local prefill");
+        }
+        let (t1, t2) = (&a["turn1"], &a["turn2"]);
+        assert!(
+            num(&t2["cached_tokens"]) > num(&t1["prompt_tokens"]),
+            "turn two reuses turn one and its answer on the decode worker: {t2}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prompt_goes_local_below_the_threshold_and_remote_above_it() {
+    let mesh = Mesh::up(&["--max-local-prefill", "64"]);
+    let poll = Duration::from_millis(700);
+    let (short, _) = usage(&mesh, "Hi!");
+    assert!(short <= 64, "a short chat prompt is {short} tokens");
+    assert_eq!(modes(&mesh).await, (1.0, 0.0), "a {short}-token prompt is prefilled locally");
+    let prompt = long_prompt("Log 2");
+    let (n, cached) = usage(&mesh, &prompt);
+    assert!(n > 64);
+    assert_eq!(cached, 0);
+    assert_eq!(modes(&mesh).await, (1.0, 1.0), "a {n}-token prompt goes to a prefill worker");
+    // The decode worker kept that prompt (imported) and its answer: asked
+    // again, only the last token is computed, locally.
+    tokio::time::sleep(poll).await;
+    let (_, cached) = usage(&mesh, &prompt);
+    assert_eq!(cached, n - 1, "the repeat reuses the decode worker's copy");
+    assert_eq!(modes(&mesh).await, (2.0, 1.0), "the repeat's tail is short: local");
+    mesh.assert_released(Duration::from_secs(10)).await;
 }

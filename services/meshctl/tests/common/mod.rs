@@ -30,8 +30,12 @@ fn free_addr() -> String {
 }
 
 impl Mesh {
-    /// Start the mesh with extra `meshctl up` flags; waits until it says it is up.
+    /// Start the mesh with extra `meshctl up` flags; waits until it says it
+    /// is up. Prompts go through prefill workers (`--max-local-prefill 0`)
+    /// unless `extra` sets `--max-local-prefill`: most tests are about the
+    /// disaggregated path (transfers, tickets, prefill scheduling).
     pub fn up(extra: &[&str]) -> Mesh {
+        let remote: &[&str] = if extra.contains(&"--max-local-prefill") { &[] } else { &["--max-local-prefill", "0"] };
         let guard = ONE_MESH.lock().unwrap_or_else(|e| e.into_inner());
         let dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), rand_suffix()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -41,6 +45,7 @@ impl Mesh {
             .args(["up", "--gateway-addr", &gateway, "--registry-dir"])
             .arg(dir.join("registry"))
             .args(["--ready-timeout-s", "300"])
+            .args(remote)
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -339,9 +344,12 @@ impl Mesh {
                     "pdmesh_decode_awaiting_kv",
                     "pdmesh_decode_running",
                     "pdmesh_decode_queued",
+                    "pdmesh_decode_local_prefilling",
                 ]
                 .iter()
                 .all(|n| g(&m, n) == 0.0);
+                fine &= g(&m, "pdmesh_decode_kv_blocks_free") + g(&m, "pdmesh_decode_prefix_evictable_blocks")
+                    == g(&m, "pdmesh_decode_kv_blocks_total");
                 snapshot.push_str(&m);
             }
             for (_, m) in self.metrics_all("prefill").await {
