@@ -60,7 +60,10 @@ fn long_prompt(tag: &str) -> String {
 
 #[test]
 fn cache_hits_answer_as_the_cache_off() {
-    let on = answers(&Mesh::up(&["--prefill-replicas", "2"]));
+    // One prefill worker: with two, a second turn whose first turn is under
+    // --cache-threshold of its blocks may go to the other one (low_match),
+    // and the reuse asserted below would depend on the rotation.
+    let on = answers(&Mesh::up(&[]));
     let off = answers(&Mesh::up(&["--prefix-cache-blocks", "0", "--router-policy", "least-busy"]));
     let golden = common::golden();
     for ((a, b), g) in on["golden"].as_array().unwrap().iter().zip(off["golden"].as_array().unwrap()).zip(&golden) {
