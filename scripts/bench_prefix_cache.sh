@@ -11,19 +11,20 @@
 #   7. agentic: decode cache with answers vs prompts only (--decode-prefix-cache-generated false)
 #   8. agentic: local prefill vs none (--max-local-prefill 0)
 #   9. unique prompts (sweep): local prefill vs none
+#  10. unique prompts (sweep): local prefill slices of 256 vs 64 tokens a step
 #
 #   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
 #
 # WHICH is a comma list of the workload numbers above (default all);
 # LEVELS=1,4,16,32 sets the sweep's concurrency levels and TAG=name adds
-# -name to the output files.
+# -name to the output files; PLOTS=1 adds the loadtest's plots (SVG, PNG).
 # Writes docs/benchmarks/prefix-cache-<date>-<n>[-$TAG].{json,md}. Build
 # llama-server outside this repository (../shared/BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?path of llama-server}
 rounds=${2:-2}
-which=${3:-1,2,3,4,5,6,7,8,9}
+which=${3:-1,2,3,4,5,6,7,8,9,10}
 levels=${LEVELS:-1,4,16,32}
 tag=${TAG:+-$TAG}
 bin=target/release
@@ -53,7 +54,8 @@ lt() { # lt N LABEL_B TARGET_B REGISTRY ARGS...
   shift 4
   "$bin/pdmesh-loadtest" --target 127.0.0.1:18180 --target-b "$target_b" --label-a pdmesh --label-b "$label_b" \
     --ab-rounds "$rounds" --registry-dir "$work/$reg/registry" --meshctl "$bin/meshctl" --seed 1 "$@" \
-    --out "$out/prefix-cache-$day-$n$tag.json" --markdown "$out/prefix-cache-$day-$n$tag.md"
+    --out "$out/prefix-cache-$day-$n$tag.json" --markdown "$out/prefix-cache-$day-$n$tag.md" \
+    ${PLOTS:+--plots "$out/prefix-cache-$day-$n$tag"}
 }
 
 set -x
@@ -95,6 +97,13 @@ if want 8 || want 9; then
   mesh remote 18185 --max-local-prefill 0
   want 8 && lt 8 no-local 127.0.0.1:18185 on "${agentic[@]}"
   want 9 && lt 9 no-local 127.0.0.1:18185 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
+    --ignore-eos --unique-prompts
+  stop_meshes
+fi
+if want 10; then
+  mesh on 18180
+  mesh slices64 18186 --decode-local-step-tokens 64
+  lt 10 slices-64 127.0.0.1:18186 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
     --ignore-eos --unique-prompts
   stop_meshes
 fi

@@ -30,8 +30,10 @@ pub struct Config {
     pub prefix_cache_generated: bool,
     /// Most prompt tokens of local prefills fed per decode step (beside one
     /// token of each running sequence), so a local prefill delays running
-    /// sequences by about one such step.
-    #[arg(long, env = "PDMESH_DECODE_LOCAL_STEP_TOKENS", default_value_t = 256)]
+    /// sequences by about one such step. 64 against 256 in an A/B run: the
+    /// same throughput, half the TTFT p50 at 4-16 clients, inter-token p99
+    /// ~250 ms instead of ~700 ms at 16-32.
+    #[arg(long, env = "PDMESH_DECODE_LOCAL_STEP_TOKENS", default_value_t = 64)]
     pub local_step_tokens: usize,
     #[command(flatten)]
     pub worker: pdmesh_worker::WorkerArgs,

@@ -57,6 +57,9 @@ pub struct Args {
     /// tokens' KV; close to, not the same bits as, a cold prefill's).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub decode_prefix_cache_generated: bool,
+    /// Most prompt tokens of local prefills one decode step feeds.
+    #[arg(long, default_value_t = 64)]
+    pub decode_local_step_tokens: usize,
     /// Local prefill: the decode worker prefills a prompt itself when it
     /// lacks at most this many of its tokens (0 = always a prefill worker).
     #[arg(long, default_value_t = 256)]
@@ -314,6 +317,7 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
                 args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
                 args.extend(["--prefix-cache-blocks".into(), a.decode_prefix_cache_blocks.to_string()]);
                 args.extend(["--prefix-cache-generated".into(), a.decode_prefix_cache_generated.to_string()]);
+                args.extend(["--local-step-tokens".into(), a.decode_local_step_tokens.to_string()]);
             } else {
                 args.extend(["--prefix-cache-blocks".into(), a.prefix_cache_blocks.to_string()]);
                 args.extend(["--batch-tokens".into(), a.prefill_batch_tokens.to_string()]);
