@@ -12,6 +12,8 @@
 #   8. agentic: local prefill vs none (--max-local-prefill 0)
 #   9. unique prompts (sweep): local prefill vs none
 #  10. unique prompts (sweep): local prefill slices of 256 vs 64 tokens a step
+#  11. long unique prompts (~440 tokens, so prefill workers run them beside
+#      decode): prefill at nice 0 vs nice 10 (--prefill-nice)
 #
 #   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
 #
@@ -24,7 +26,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?path of llama-server}
 rounds=${2:-2}
-which=${3:-1,2,3,4,5,6,7,8,9,10}
+which=${3:-1,2,3,4,5,6,7,8,9,10,11}
 levels=${LEVELS:-1,4,16,32}
 tag=${TAG:+-$TAG}
 bin=target/release
@@ -105,5 +107,12 @@ if want 10; then
   mesh slices64 18186 --decode-local-step-tokens 64
   lt 10 slices-64 127.0.0.1:18186 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
     --ignore-eos --unique-prompts
+  stop_meshes
+fi
+if want 11; then
+  mesh on 18180
+  mesh nice10 18187 --prefill-nice 10
+  lt 11 prefill-nice-10 127.0.0.1:18187 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
+    --ignore-eos --unique-prompts --system-prompt-tokens 400
   stop_meshes
 fi

@@ -31,6 +31,10 @@ pub struct Args {
     /// Kernel threads of each prefill and decode worker (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Nice value (0-19) of the prefill workers: with a higher one, the
+    /// host's scheduler runs decode steps first when both want the cores.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_nice: i32,
     /// KV blocks of the decode worker (each holds 16 positions of all layers).
     #[arg(long, default_value_t = 2048)]
     pub decode_kv_blocks: usize,
@@ -104,6 +108,8 @@ struct Svc {
     restarts: u32,
     /// Whether meshctl picked the gRPC port (not the gateway's --gateway-addr).
     own_listen: bool,
+    /// The process's nice value (prefill workers: `--prefill-nice`).
+    nice: i32,
 }
 
 /// Write every service's /metrics address as a Prometheus file_sd list.
@@ -161,14 +167,22 @@ impl Svc {
             .open(&self.log)
             .map_err(|e| format!("{}: {e}", self.log.display()))?;
         let err = log.try_clone().map_err(|e| e.to_string())?;
-        let child = Command::new(&self.bin)
-            .args(&self.args)
-            .stdout(log)
-            .stderr(err)
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", self.bin.display()))?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(&self.args).stdout(log).stderr(err).stdin(std::process::Stdio::null()).kill_on_drop(true);
+        if self.nice != 0 {
+            let nice = self.nice;
+            // SAFETY: setpriority(2) is async-signal-safe; it runs in the
+            // forked child before exec and touches no shared state.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.bin.display()))?;
         self.child = Some(child);
         Ok(())
     }
@@ -336,6 +350,9 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
 
 /// Every process of the mesh, in start order.
 fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc>, String> {
+    if !(0..=19).contains(&a.prefill_nice) {
+        return Err(format!("--prefill-nice must be 0..=19, got {}", a.prefill_nice));
+    }
     let mut svcs = Vec::new();
     for name in crate::status::SERVICES {
         let replicas = match name {
@@ -361,6 +378,7 @@ fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc
                 child: None,
                 restarts: 0,
                 own_listen: name != "gateway",
+                nice: if name == "prefill" { a.prefill_nice } else { 0 },
             });
         }
     }
