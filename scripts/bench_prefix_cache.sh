@@ -14,6 +14,9 @@
 #  10. unique prompts (sweep): local prefill slices of 256 vs 64 tokens a step
 #  11. long unique prompts (~440 tokens, so prefill workers run them beside
 #      decode): prefill at nice 0 vs nice 10 (--prefill-nice)
+#  12. long unique prompts: shared cores vs prefill on CPU 0 and decode on CPU 1
+#  13. long unique prompts: kernel pools spinning ~3 ms before parking vs
+#      parking at once (PDMESH_POOL_SPIN_ITERS=0)
 #
 #   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
 #
@@ -26,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?path of llama-server}
 rounds=${2:-2}
-which=${3:-1,2,3,4,5,6,7,8,9,10,11}
+which=${3:-1,2,3,4,5,6,7,8,9,10,11,12,13}
 levels=${LEVELS:-1,4,16,32}
 tag=${TAG:+-$TAG}
 bin=target/release
@@ -88,6 +91,7 @@ if want 6; then
   stop_meshes
 fi
 agentic=(--mode agentic --sessions 8 --rounds 3 --think-s 1 --max-tokens 48 --ignore-eos)
+long=(--mode closed --concurrency "$levels" --requests 32 --max-tokens 64 --ignore-eos --unique-prompts --system-prompt-tokens 400)
 if want 7; then
   mesh on 18180
   mesh prompts 18184 --decode-prefix-cache-generated false
@@ -110,9 +114,20 @@ if want 10; then
   stop_meshes
 fi
 if want 11; then
-  mesh on 18180
+  mesh on 18180 --prefill-nice 0
   mesh nice10 18187 --prefill-nice 10
-  lt 11 prefill-nice-10 127.0.0.1:18187 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
-    --ignore-eos --unique-prompts --system-prompt-tokens 400
+  lt 11 prefill-nice-10 127.0.0.1:18187 on "${long[@]}"
+  stop_meshes
+fi
+if want 12; then
+  mesh on 18180
+  mesh split 18188 --prefill-cpus 0 --decode-cpus 1
+  lt 12 cpu-split 127.0.0.1:18188 on "${long[@]}"
+  stop_meshes
+fi
+if want 13; then
+  mesh on 18180
+  PDMESH_POOL_SPIN_ITERS=0 mesh nospin 18189
+  lt 13 no-spin 127.0.0.1:18189 on "${long[@]}"
   stop_meshes
 fi

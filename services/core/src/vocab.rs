@@ -119,7 +119,8 @@ pub mod attr {
     /// Where the prompt is prefilled: `local` (by the decode worker itself)
     /// or `remote` (by a prefill worker, the KV moved over).
     pub const ROUTE_PREFILL_MODE: &str = "prefill.mode";
-    /// Why: `tail_within_threshold`, `tail_over_threshold`, `disabled`.
+    /// Why: `tail_within_threshold`, `tail_over_threshold`, `disabled`, or
+    /// `no_prefill_worker` (over the threshold, but no prefill worker was live).
     pub const ROUTE_PREFILL_MODE_REASON: &str = "prefill.mode_reason";
     /// Prompt tokens the decode worker would compute (not in its prefix cache).
     pub const ROUTE_LOCAL_TAIL_TOKENS: &str = "prefill.local_tail_tokens";

@@ -33,8 +33,17 @@ pub struct Args {
     pub threads: usize,
     /// Nice value (0-19) of the prefill workers: with a higher one, the
     /// host's scheduler runs decode steps first when both want the cores.
-    #[arg(long, default_value_t = 0)]
+    /// 10 against 0, long unique prompts at 4 and 16 clients (A/B): 1.30x
+    /// and 1.43x output tok/s, the same TTFT p50, inter-token p99 a fifth.
+    #[arg(long, default_value_t = 10)]
     pub prefill_nice: i32,
+    /// CPUs the prefill workers run on, e.g. `0` or `0-3,6` (default: any).
+    /// With `--threads 0`, a pinned worker gets one kernel thread per CPU.
+    #[arg(long)]
+    pub prefill_cpus: Option<String>,
+    /// CPUs the decode workers run on (default: any).
+    #[arg(long)]
+    pub decode_cpus: Option<String>,
     /// KV blocks of the decode worker (each holds 16 positions of all layers).
     #[arg(long, default_value_t = 2048)]
     pub decode_kv_blocks: usize,
@@ -110,6 +119,8 @@ struct Svc {
     own_listen: bool,
     /// The process's nice value (prefill workers: `--prefill-nice`).
     nice: i32,
+    /// CPUs the process may run on (`--prefill-cpus`, `--decode-cpus`); empty: any.
+    cpus: Vec<usize>,
 }
 
 /// Write every service's /metrics address as a Prometheus file_sd list.
@@ -169,13 +180,27 @@ impl Svc {
         let err = log.try_clone().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(&self.bin);
         cmd.args(&self.args).stdout(log).stderr(err).stdin(std::process::Stdio::null()).kill_on_drop(true);
-        if self.nice != 0 {
+        if self.nice != 0 || !self.cpus.is_empty() {
             let nice = self.nice;
-            // SAFETY: setpriority(2) is async-signal-safe; it runs in the
-            // forked child before exec and touches no shared state.
+            // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes
+            // within it (the CPUs were checked against CPU_SETSIZE).
+            let set = unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                for c in &self.cpus {
+                    libc::CPU_SET(*c, &mut set);
+                }
+                set
+            };
+            let pin = !self.cpus.is_empty();
+            // SAFETY: setpriority(2) and sched_setaffinity(2) are plain
+            // system calls; they run in the forked child before exec and
+            // touch no shared state.
             unsafe {
                 cmd.pre_exec(move || {
-                    if libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                    if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if pin && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
                     Ok(())
@@ -348,11 +373,38 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
     }
 }
 
+/// A CPU list such as `0-3,6` (None or empty: no pinning).
+fn cpu_list(flag: &str, list: Option<&str>) -> Result<Vec<usize>, String> {
+    let Some(list) = list.filter(|l| !l.trim().is_empty()) else { return Ok(Vec::new()) };
+    let bad = || format!("{flag} takes CPU numbers and ranges such as 0-3,6; got {list:?}");
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        let (lo, hi) = match part.trim().split_once('-') {
+            Some((a, b)) => {
+                (a.trim().parse::<usize>().map_err(|_| bad())?, b.trim().parse::<usize>().map_err(|_| bad())?)
+            }
+            None => {
+                let c = part.trim().parse::<usize>().map_err(|_| bad())?;
+                (c, c)
+            }
+        };
+        if lo > hi || hi >= libc::CPU_SETSIZE as usize {
+            return Err(bad());
+        }
+        cpus.extend(lo..=hi);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Ok(cpus)
+}
+
 /// Every process of the mesh, in start order.
 fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc>, String> {
     if !(0..=19).contains(&a.prefill_nice) {
         return Err(format!("--prefill-nice must be 0..=19, got {}", a.prefill_nice));
     }
+    let prefill_cpus = cpu_list("--prefill-cpus", a.prefill_cpus.as_deref())?;
+    let decode_cpus = cpu_list("--decode-cpus", a.decode_cpus.as_deref())?;
     let mut svcs = Vec::new();
     for name in crate::status::SERVICES {
         let replicas = match name {
@@ -369,6 +421,17 @@ fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc
             let http = free_addr()?;
             let mut args = common_args(a, &id, listen, &http);
             args.extend(service_args(a, name, model));
+            let cpus = match name {
+                "prefill" => prefill_cpus.clone(),
+                "decode" => decode_cpus.clone(),
+                _ => Vec::new(),
+            };
+            // Pinned workers with no --threads get one kernel thread per CPU of theirs.
+            if a.threads == 0 && !cpus.is_empty() {
+                if let Some(i) = args.iter().position(|x| x == "--threads") {
+                    args[i + 1] = cpus.len().to_string();
+                }
+            }
             svcs.push(Svc {
                 name: id.clone(),
                 bin: bin_dir.join(format!("pdmesh-{name}")),
@@ -379,6 +442,7 @@ fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc
                 restarts: 0,
                 own_listen: name != "gateway",
                 nice: if name == "prefill" { a.prefill_nice } else { 0 },
+                cpus,
             });
         }
     }
@@ -476,4 +540,20 @@ pub async fn run(a: Args) -> Result<(), String> {
     eprintln!("meshctl: stopping (gateway first)");
     stop_all(&mut svcs, Duration::from_secs(10)).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_list;
+
+    #[test]
+    fn cpu_lists_parse_and_bad_ones_say_why() {
+        assert_eq!(cpu_list("--x", None), Ok(vec![]));
+        assert_eq!(cpu_list("--x", Some("1")), Ok(vec![1]));
+        assert_eq!(cpu_list("--x", Some("0-2, 6,1")), Ok(vec![0, 1, 2, 6]));
+        for bad in ["a", "3-1", "1-", "99999"] {
+            let e = cpu_list("--decode-cpus", Some(bad)).unwrap_err();
+            assert!(e.contains("--decode-cpus") && e.contains(bad), "{e}");
+        }
+    }
 }

@@ -3,7 +3,8 @@
 //! one request makes one trace across all six services with every parent
 //! present; 16 concurrent requests make 16 traces, joined by step spans
 //! that link to several; and `meshctl explain` names a planted delay as
-//! the dominant cause with the share it really took.
+//! the dominant cause with the share it really took. A prompt the decode
+//! worker prefills itself is one trace too, and says so.
 
 // Whole-mesh scenarios read top to bottom as one story (issue 12 exempts tests).
 #![allow(clippy::too_many_lines)]
@@ -425,4 +426,29 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     // Unloaded, the probe runs without --force.
     let ok = probe(&[]);
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_local_prefill_is_one_trace_and_explain_says_so() {
+    let sink = Sink::start("127.0.0.1:0".parse().unwrap(), None).await.unwrap();
+    let ep = sink.endpoint();
+    let mesh = Mesh::up(&["--otlp-endpoint", &ep, "--trace-export-delay-ms", "100", "--max-local-prefill", "256"]);
+    let body = chat_body("Tell me a fact about the moon.", r#","max_tokens":8"#);
+    let (e, spans, _) = traced(&mesh, &sink, body).await;
+    assert_eq!(roots(&spans).len(), 1, "one trace");
+    let route = find(&spans, "pdmesh-router", "route");
+    assert_eq!(route.attr_str("prefill.mode"), Some("local"), "{route:?}");
+    assert_eq!(route.attr_str("prefill.mode_reason"), Some("tail_within_threshold"));
+    assert_eq!(route.attr_f64("prefill.max_local_prefill"), Some(256.0));
+    let tail = route.attr_f64("prefill.local_tail_tokens").unwrap_or(0.0);
+    assert!(tail > 0.0 && tail <= 256.0, "{route:?}");
+    // The prompt's forward ran on the decode worker, under its Generate.
+    let forward = find(&spans, "pdmesh-decode", "prefill_forward");
+    let decode = find(&spans, "pdmesh-decode", "pdmesh.decode.v1.Decode/Generate");
+    assert!(ancestors(&spans, forward).iter().any(|a| a.span_id == decode.span_id));
+    assert_eq!(forward.attrs.get("prefill.local").map(|v| v.to_string()), Some("true".to_string()), "{forward:?}");
+    assert!(forward.attr_f64("prefill.computed_tokens").unwrap_or(0.0) > 0.0);
+    assert!(!spans.iter().any(|s| s.service == "pdmesh-prefill"), "no prefill worker took part");
+    assert!(!spans.iter().any(|s| s.name == "kv_transfer" || s.name.ends_with("/OpenTicket")), "no transfer");
+    assert!(e.table().contains("which prefilled locally"), "explain: {}", e.table());
 }

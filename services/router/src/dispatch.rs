@@ -106,6 +106,7 @@ impl Router {
             let local_on = self.max_local_prefill > 0;
             let d = self.pick(&self.decode, tried_d, local_on.then_some(prompt)).await?;
             if self.prefill_mode(prompt, &d) == Mode::Local {
+                self.metrics.count_mode(Mode::Local);
                 return Ok((d, None));
             }
             let p = match self.pick(&self.prefill, tried_p, Some(prompt)).await {
@@ -114,8 +115,15 @@ impl Router {
                     tried_p.clear();
                     self.pick(&self.prefill, tried_p, Some(prompt)).await?
                 }
+                // No prefill worker to be had: the decode worker can still
+                // prefill the prompt itself, slowly rather than not at all.
+                Err(_) if local_on => {
+                    self.local_fallback();
+                    return Ok((d, None));
+                }
                 Err(e) => return Err(e),
             };
+            self.metrics.count_mode(Mode::Remote);
             Ok((d, Some(p)))
         }
         .instrument(route.clone())
@@ -144,7 +152,7 @@ impl Router {
         };
         let (i, seen, overlap, branch, busy) = self
             .loads
-            .pick(&list, tried, prompt.map(|tokens| Prompt { tokens }), policy)
+            .pick(&list, tried, prompt.map(|tokens| Prompt { tokens, remember: kind == "prefill" }), policy)
             .ok_or_else(|| Status::unavailable(format!("every {kind} worker refused or failed")))?;
         let inst = list[i].clone();
         record_pick(kind, &inst, seen, list.len());
@@ -155,8 +163,17 @@ impl Router {
         Ok(Picked { inst, ch, busy, cached_tokens: seen.overlap_blocks * overlap.block_size })
     }
 
+    /// A prompt over the threshold goes local after all: no prefill worker
+    /// was live (recorded on the `route` span and in the metrics).
+    fn local_fallback(&self) {
+        let span = tracing::Span::current();
+        span.set_attribute(attr::ROUTE_PREFILL_MODE, Mode::Local.label());
+        span.set_attribute(attr::ROUTE_PREFILL_MODE_REASON, "no_prefill_worker");
+        self.metrics.count_mode(Mode::Local);
+    }
+
     /// Local or remote prefill for `prompt` on decode worker `d`, recorded
-    /// on the current (`route`) span and in the router's metrics.
+    /// on the current (`route`) span (the caller counts the final choice).
     fn prefill_mode(&self, prompt: &[u32], d: &Picked) -> Mode {
         let (mode, reason, tail) = prefill_mode(self.max_local_prefill, prompt.len() as u32, d.cached_tokens);
         let span = tracing::Span::current();
@@ -164,7 +181,6 @@ impl Router {
         span.set_attribute(attr::ROUTE_PREFILL_MODE_REASON, reason);
         span.set_attribute(attr::ROUTE_LOCAL_TAIL_TOKENS, tail as i64);
         span.set_attribute(attr::ROUTE_MAX_LOCAL_PREFILL, self.max_local_prefill as i64);
-        self.metrics.count_mode(mode);
         mode
     }
 

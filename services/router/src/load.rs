@@ -55,6 +55,10 @@ impl WorkerCache {
 /// (workers of different block sizes or models hash differently).
 pub struct Prompt<'a> {
     pub tokens: &'a [u32],
+    /// Count its blocks as held by the chosen worker until its log says
+    /// so: right for a prefill worker, which caches a prompt as it computes
+    /// it; not for a decode worker, which holds it only once the KV arrived.
+    pub remember: bool,
 }
 
 /// What a cache-aware pick saw of the prompt on the chosen worker.
@@ -125,6 +129,7 @@ impl Loads {
                 .collect()
         };
         let (i, branch) = policy(&candidates, &Overlap { prompt_blocks, block_size: 0 })?;
+        let remember = prompt.as_ref().is_some_and(|p| p.remember);
         let addr = list[i].grpc_addr.clone();
         let mut overlap = Overlap::default();
         if let Some(c) = caches.get_mut(&addr) {
@@ -132,7 +137,9 @@ impl Loads {
                 // The chosen worker's own view: its block size, its count.
                 overlap = Overlap { prompt_blocks: h.len() as u32, block_size: c.block_size as u32 };
                 c.sent.retain(|_, t| now.duration_since(*t) < SENT_TTL);
-                c.sent.extend(h.iter().map(|h| (*h, now)));
+                if remember {
+                    c.sent.extend(h.iter().map(|h| (*h, now)));
+                }
             }
         }
         *local.entry(addr.clone()).or_default() += 1;
