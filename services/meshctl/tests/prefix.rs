@@ -207,3 +207,24 @@ async fn a_prompt_goes_local_below_the_threshold_and_remote_above_it() {
     assert_eq!(modes(&mesh).await, (2.0, 1.0), "the repeat's tail is short: local");
     mesh.assert_released(Duration::from_secs(10)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_no_prefill_worker_left_the_decode_worker_prefills_any_prompt() {
+    // Threshold 1: every prompt would go to a prefill worker.
+    let mesh = Mesh::up(&["--max-local-prefill", "1", "--no-restart"]);
+    let pid = mesh.pid("prefill").await;
+    // SAFETY: kill(2) on a mesh child process (it deregisters and exits).
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    let gone = pdmesh_testkit::eventually_async(Duration::from_secs(30), || async {
+        mesh.registry().healthy("prefill").await.unwrap_or_default().is_empty()
+    })
+    .await;
+    assert!(gone, "the prefill worker did not leave the registry");
+    tokio::time::sleep(Duration::from_millis(700)).await; // the router's registry poll (300 ms), and margin
+    let (n, _) = usage(&mesh, &long_prompt("Log 3"));
+    assert!(n > 64);
+    assert_eq!(modes(&mesh).await, (1.0, 0.0), "the {n}-token prompt was prefilled by the decode worker");
+    mesh.assert_released(Duration::from_secs(10)).await;
+}
