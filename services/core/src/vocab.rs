@@ -126,6 +126,8 @@ pub mod attr {
     pub const ROUTE_LOCAL_TAIL_TOKENS: &str = "prefill.local_tail_tokens";
     /// The router's `--max-local-prefill`.
     pub const ROUTE_MAX_LOCAL_PREFILL: &str = "prefill.max_local_prefill";
+    /// Router's Generate: dispatches repeated after a prefill failed before the first token.
+    pub const PREFILL_RETRIES: &str = "router.prefill_retries";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
     pub const DETOKENIZE_BUSY_MS: &str = "detokenize.busy_ms";
 

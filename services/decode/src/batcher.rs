@@ -195,15 +195,23 @@ struct Seq {
     batch_max: u32,
 }
 
-impl Drop for Seq {
-    fn drop(&mut self) {
-        self.span.record(attr::DECODE_STEPS, self.steps as i64);
-        self.span.record(attr::DECODE_TOKENS, self.n_generated as i64);
-        self.span.record(attr::DECODE_BATCH_MAX, self.batch_max as i64);
-        self.span.record(
+impl Seq {
+    /// Record the loop's totals and end `decode_loop` (once).
+    fn end_span(&mut self) {
+        let span = std::mem::replace(&mut self.span, tracing::Span::none());
+        span.record(attr::DECODE_STEPS, self.steps as i64);
+        span.record(attr::DECODE_TOKENS, self.n_generated as i64);
+        span.record(attr::DECODE_BATCH_MAX, self.batch_max as i64);
+        span.record(
             attr::DECODE_BATCH_MEAN,
             if self.steps > 0 { self.batch_sum as f64 / self.steps as f64 } else { 0.0 },
         );
+    }
+}
+
+impl Drop for Seq {
+    fn drop(&mut self) {
+        self.end_span();
     }
 }
 
@@ -413,6 +421,9 @@ impl Loop {
         };
         let mut alive = s.events.send(Ok(tok)).is_ok();
         if let Some(f) = ev.finish {
+            // The loop's span ends before the caller can hear of the end, so
+            // it never outlives the spans upstream that wait for it.
+            s.end_span();
             let usage = common::Usage {
                 prompt_tokens: s.n_prompt,
                 completion_tokens: s.n_generated,

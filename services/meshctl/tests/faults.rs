@@ -10,6 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{chat_request, raw_request, run, Mesh};
+use pdmesh_core::discovery::Discovery;
 use tonic::Code;
 
 const LEASE_MS: u64 = 3000;
@@ -96,15 +97,24 @@ async fn kv_transfer_faults_free_everything() {
     mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
     works(&mesh).await;
 
-    // 4. The prefill dies after the ticket opened.
+    // 4. The prefill dies after the ticket opened. The router retries once
+    // (on the same worker: it is the only one), which succeeds only if the
+    // replacement is up by then; either way the request ends promptly and
+    // cleanly.
     mesh.fault("prefill", "prefill.transfer_delay_ms", 2000).await;
+    let retries = mesh.gauge("router", "pdmesh_router_prefill_retries_total").await;
     let mut r2 = router.clone();
     let req = tokio::spawn(async move { run(&mut r2, raw_request("Hello there", 8)).await });
     tokio::time::sleep(Duration::from_millis(500)).await;
     let t0 = Instant::now();
     mesh.kill_and_wait("prefill").await;
-    let e = req.await.unwrap().expect_err("the request must fail");
-    assert!(matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded), "{e:?}");
+    match req.await.unwrap() {
+        Ok(_) => assert!(
+            mesh.gauge("router", "pdmesh_router_prefill_retries_total").await > retries,
+            "served without a retry?"
+        ),
+        Err(e) => assert!(matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded), "{e:?}"),
+    }
     assert!(t0.elapsed() < Duration::from_secs(60));
     mesh.assert_released(RELEASED_WITHIN).await;
     works(&mesh).await;
@@ -223,4 +233,36 @@ async fn cancel_storm_leaves_nothing_pinned() {
         after < baseline * 3 + Duration::from_millis(300),
         "after the storm a request took {after:?}, before {baseline:?}"
     );
+}
+
+/// Kill one of two prefill workers while four requests wait on their
+/// transfers: the ones it held are retried on the other, and none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prefill_killed_before_the_first_token_fails_no_request() {
+    let mesh = Mesh::up(&["--prefill-replicas", "2", "--enable-fault-injection", "--router-policy", "least-busy"]);
+    works(&mesh).await;
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 2500).await;
+    let mut reqs = Vec::new();
+    for i in 0..4 {
+        let mut r = mesh.router().await;
+        reqs.push(tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(30), run(&mut r, raw_request(&format!("Count to {i}"), 8))).await
+        }));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let victim = mesh.registry().healthy("prefill").await.unwrap().remove(0);
+    let (_, status) = pdmesh_testkit::http_get(victim.http_addr.as_deref().unwrap(), "/statusz");
+    let pid = serde_json::from_str::<serde_json::Value>(&status).unwrap()["pid"].as_u64().unwrap() as i32;
+    // SAFETY: kill(2) on a mesh child process.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    for r in reqs {
+        let out = r.await.unwrap().expect("ends within 30 s");
+        out.expect("a request whose prefill died before its first token is retried");
+    }
+    assert!(mesh.gauge("router", "pdmesh_router_prefill_retries_total").await >= 1.0);
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
+    mesh.assert_released(RELEASED_WITHIN).await;
 }

@@ -51,14 +51,24 @@ pub struct Dispatched {
     pub pair: Pair,
     /// A local prefill's reused prompt tokens (a remote one's come with the prefill's answer).
     pub cached_tokens: u32,
+    /// The prefill worker's address (None for a local prefill).
+    pub prefill_addr: Option<String>,
 }
 
 impl Router {
-    /// Dispatch `prompt` until a decode worker admits it. `ticket` holds the
-    /// ticket id in use, so the caller can cancel it if the request fails.
-    pub async fn dispatch(&self, job: &Job, prompt: &[u32], ticket: &Mutex<String>) -> Result<Dispatched, Status> {
+    /// Dispatch `prompt` until a decode worker admits it, avoiding the
+    /// prefill workers in `avoid` while others (or local prefill) remain.
+    /// `ticket` holds the ticket id in use, so the caller can cancel it if
+    /// the request fails.
+    pub async fn dispatch(
+        &self,
+        job: &Job,
+        prompt: &[u32],
+        ticket: &Mutex<String>,
+        avoid: &[String],
+    ) -> Result<Dispatched, Status> {
         let mut tried_d: Vec<String> = Vec::new();
-        let mut tried_p: Vec<String> = Vec::new();
+        let mut tried_p: Vec<String> = avoid.to_vec();
         let mut attempt = 0u32;
         loop {
             let ticket_id = self.ticket_id(&job.request_id, attempt);
@@ -111,15 +121,16 @@ impl Router {
             }
             let p = match self.pick(&self.prefill, tried_p, Some(prompt)).await {
                 Ok(p) => p,
-                Err(_) if !tried_p.is_empty() => {
-                    tried_p.clear();
-                    self.pick(&self.prefill, tried_p, Some(prompt)).await?
-                }
-                // No prefill worker to be had: the decode worker can still
-                // prefill the prompt itself, slowly rather than not at all.
+                // No prefill worker to be had (or every one failed this
+                // request): the decode worker can still prefill the prompt
+                // itself, slowly rather than not at all.
                 Err(_) if local_on => {
                     self.local_fallback();
                     return Ok((d, None));
+                }
+                Err(_) if !tried_p.is_empty() => {
+                    tried_p.clear();
+                    self.pick(&self.prefill, tried_p, Some(prompt)).await?
                 }
                 Err(e) => return Err(e),
             };
@@ -164,7 +175,8 @@ impl Router {
     }
 
     /// A prompt over the threshold goes local after all: no prefill worker
-    /// was live (recorded on the `route` span and in the metrics).
+    /// was live, or every one failed it (recorded on the `route` span and
+    /// in the metrics).
     fn local_fallback(&self) {
         let span = tracing::Span::current();
         span.set_attribute(attr::ROUTE_PREFILL_MODE, Mode::Local.label());
@@ -220,6 +232,7 @@ impl Router {
         .await;
         match opened {
             Ok((stream, cached_tokens)) => {
+                let prefill_addr = p.as_ref().map(|p| p.inst.grpc_addr.clone());
                 let (p_id, p_busy) = match p {
                     Some(p) => (p.inst.id, Some(p.busy)),
                     None => (d.inst.id.clone(), None),
@@ -233,6 +246,7 @@ impl Router {
                         workers: [p_id, d.inst.id],
                     },
                     cached_tokens,
+                    prefill_addr,
                 })
             }
             Err(e) => {

@@ -30,6 +30,13 @@ pub fn decode_refusal(e: Status, worker: &str) -> Status {
     }
 }
 
+/// Whether a Prefill call that failed this way may succeed on another
+/// worker (or locally): the worker died or broke, or had no room. Not the
+/// request's own fault, deadline or cancellation.
+pub fn prefill_retryable(e: &Status) -> bool {
+    matches!(e.code(), Code::Unavailable | Code::Internal | Code::Unknown | Code::Aborted | Code::ResourceExhausted)
+}
+
 /// Whether another decode worker may succeed where this one refused.
 pub fn retryable(e: &Status) -> bool {
     matches!(e.code(), Code::ResourceExhausted | Code::Unavailable)
@@ -47,5 +54,10 @@ mod tests {
         assert_eq!(prefill_failure(Status::invalid_argument("bad id")).code(), Code::InvalidArgument);
         assert!(retryable(&Status::resource_exhausted("full")));
         assert!(!retryable(&Status::invalid_argument("bad")));
+        assert!(prefill_retryable(&Status::unavailable("tcp connect error")));
+        assert!(prefill_retryable(&Status::internal("prefill task failed")));
+        for c in [Code::InvalidArgument, Code::DeadlineExceeded, Code::Cancelled] {
+            assert!(!prefill_retryable(&Status::new(c, "x")), "{c:?}");
+        }
     }
 }

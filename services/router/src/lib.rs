@@ -70,6 +70,11 @@ fn render(m: &Metrics, f: Format) -> String {
         "mode",
         &m.mode_counts(),
     );
+    t.counter(
+        "pdmesh_router_prefill_retries_total",
+        "Requests dispatched again because their prefill failed before the first token.",
+        m.prefill_retries.load(Ordering::Relaxed),
+    );
     m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
     t.finish()
 }

@@ -1,6 +1,7 @@
 //! Relay: decode tokens -> incremental detokenize -> stop strings -> the
 //! caller, then the finish with usage. A prefill failure seen while the
-//! tokens have not started ends the request.
+//! tokens have not started ends the relay as [`Failed::Prefill`], which
+//! the caller may retry elsewhere.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ use tonic::Status;
 use tracing::Instrument;
 
 use crate::dispatch::{Dispatched, Pair};
-use crate::error::{decode_failure, prefill_failure};
+use crate::error::{decode_failure, prefill_failure, prefill_retryable};
 use crate::server::{Router, Tx};
 use crate::stop::StopMatcher;
 
@@ -49,6 +50,20 @@ struct Out {
     trace_id: Option<String>,
 }
 
+/// How a relay ended short of its finish.
+pub enum Failed {
+    /// The prefill failed before any token reached the caller: another
+    /// worker may still serve the request.
+    Prefill(Status),
+    Other(Status),
+}
+
+impl From<Status> for Failed {
+    fn from(s: Status) -> Failed {
+        Failed::Other(s)
+    }
+}
+
 impl Router {
     /// Relay a dispatched request's tokens to `tx` until it finishes.
     pub async fn relay(
@@ -58,8 +73,8 @@ impl Router {
         n_prompt: u32,
         started: Instant,
         tx: &Tx,
-    ) -> Result<(), Status> {
-        let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens } = d;
+    ) -> Result<(), Failed> {
+        let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, .. } = d;
         let mut out = Out {
             detok: None,
             stops: StopMatcher::new(stop),
@@ -80,8 +95,11 @@ impl Router {
                             out.n_cached = r.into_inner().cached_tokens;
                             continue;
                         }
-                        Ok(Err(e)) => return Err(prefill_failure(e)),
-                        Err(_) => return Err(Status::internal("prefill task failed")),
+                        // Its answer lost after the KV went over: the tokens flow on.
+                        Ok(Err(_)) if out.n_out > 0 => continue,
+                        Ok(Err(e)) if prefill_retryable(&e) => return Err(Failed::Prefill(prefill_failure(e))),
+                        Ok(Err(e)) => return Err(Failed::Other(prefill_failure(e))),
+                        Err(_) => return Err(Failed::Prefill(prefill_failure(Status::internal("prefill task failed")))),
                     }
                 }
             };
@@ -89,14 +107,14 @@ impl Router {
                 Some(dpb::generate_response::Event::Tokens(t)) => {
                     if self.on_tokens(&mut out, t.ids, tx).await? {
                         settle(prefill.take(), &mut out).await;
-                        return self.finish(tx, common::FinishReason::Stop, &out, &pair.workers).await;
+                        return Ok(self.finish(tx, common::FinishReason::Stop, &out, &pair.workers).await?);
                     }
                 }
                 Some(dpb::generate_response::Event::Finished(f)) => {
                     telemetry::record_status(pair.decode_rpc.span(), None);
                     let reason = self.on_finished(&mut out, f.reason, tx).await;
                     settle(prefill.take(), &mut out).await;
-                    return self.finish(tx, reason, &out, &pair.workers).await;
+                    return Ok(self.finish(tx, reason, &out, &pair.workers).await?);
                 }
                 Some(dpb::generate_response::Event::Admitted(_)) | None => {}
             }

@@ -22,6 +22,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::load::Loads;
+use crate::relay::Failed;
 use crate::validate::{check_fits, validate, Input, Job};
 
 /// How long to wait for a worker of some kind to appear.
@@ -44,6 +45,8 @@ pub struct Metrics {
     pub route_overlap_tokens: AtomicU64,
     /// Requests by where their prompt was prefilled ([`crate::pick::Mode::ALL`] order).
     pub modes: [AtomicU64; 2],
+    /// Dispatches repeated because a prefill failed before the first token.
+    pub prefill_retries: AtomicU64,
 }
 
 impl Metrics {
@@ -185,13 +188,34 @@ impl Router {
 
     /// Run one validated request, sending events to `tx`. `ticket` holds
     /// the ticket id in use, so the caller can cancel it when this fails.
+    /// A prefill that fails before the first token is retried (up to
+    /// `--retries` times) on another prefill worker, or locally.
     async fn run(&self, input: Input, job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
         let started = Instant::now();
         let (context, prompt) = self.tokenize(input).await?;
         check_fits(prompt.len(), job.max_tokens, context)?;
-        let dispatched = self.dispatch(&job, &prompt, ticket).await?;
         let n_prompt = prompt.len() as u32;
-        self.relay(dispatched, job.stop, n_prompt, started, tx).await
+        let mut avoid: Vec<String> = Vec::new();
+        let mut retries = 0u32;
+        loop {
+            let dispatched = self.dispatch(&job, &prompt, ticket, &avoid).await?;
+            let prefill = dispatched.prefill_addr.clone();
+            match self.relay(dispatched, job.stop.clone(), n_prompt, started, tx).await {
+                Ok(()) => return Ok(()),
+                Err(Failed::Other(e)) => return Err(e),
+                Err(Failed::Prefill(e)) => {
+                    if retries >= self.retries {
+                        return Err(e);
+                    }
+                    retries += 1;
+                    let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    self.cancel_ticket(&id, "prefill failed; retrying elsewhere").await;
+                    self.metrics.prefill_retries.fetch_add(1, Ordering::Relaxed);
+                    tracing::Span::current().set_attribute(attr::PREFILL_RETRIES, i64::from(retries));
+                    avoid.extend(prefill);
+                }
+            }
+        }
     }
 
     /// Run `job` within `deadline` or until the caller goes away; on failure
