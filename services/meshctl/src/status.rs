@@ -25,7 +25,15 @@ pub struct Args {
 /// Load gauges worth showing, per service.
 fn load_of(service: &str, metrics: &str) -> serde_json::Value {
     let names: &[&str] = match service {
-        "decode" => &["running", "queued", "awaiting_kv", "kv_blocks_used", "kv_blocks_total"],
+        "decode" => &[
+            "running",
+            "queued",
+            "awaiting_kv",
+            "local_prefilling",
+            "kv_blocks_used",
+            "prefix_cached_blocks",
+            "kv_blocks_total",
+        ],
         "prefill" => {
             &["running", "queued", "queued_tokens", "expected_wait_seconds", "kv_blocks_used", "kv_blocks_total"]
         }
