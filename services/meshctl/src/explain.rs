@@ -117,7 +117,9 @@ impl<'a> Marks<'a> {
             tokenize: child_of(spans, router, span::TOKENIZE),
             prefill,
             queued: child_of(spans, prefill, span::QUEUED),
-            forward: child_of(spans, prefill, span::PREFILL_FORWARD),
+            // A local prefill's forward hangs under the decode's Generate.
+            forward: child_of(spans, prefill, span::PREFILL_FORWARD)
+                .or_else(|| child_of(spans, decode, span::PREFILL_FORWARD)),
             xfer: child_of(spans, prefill, span::KV_TRANSFER),
             decode,
             decode_loop,
@@ -190,6 +192,22 @@ impl<'a> Marks<'a> {
                 instance(prefill),
                 int(queued, attr::QUEUE_HELD_MS)
                     .map(|h| format!(" (queue held {h} ms by a fault switch)"))
+                    .unwrap_or_default()
+            ),
+            "prefill compute" if forward.is_some_and(|f| f.attr_bool(attr::PREFILL_LOCAL) == Some(true)) => format!(
+                "{} prompt tokens prefilled locally by {} beside its decode steps, in {}{}",
+                int(forward, attr::PROMPT_TOKENS).unwrap_or(0),
+                instance(decode),
+                match int(forward, attr::PREFILL_STEPS).unwrap_or(0) {
+                    1 => "1 step".to_string(),
+                    n => format!("{n} steps"),
+                },
+                int(forward, attr::PREFILL_CACHED_TOKENS)
+                    .filter(|n| *n > 0)
+                    .map(|n| format!(
+                        "; skipped {n} cached tokens, computed {}",
+                        int(forward, attr::PREFILL_COMPUTED_TOKENS).unwrap_or(0)
+                    ))
                     .unwrap_or_default()
             ),
             "prefill compute" => format!(

@@ -46,6 +46,14 @@ impl Span {
     pub fn attr_str(&self, key: &str) -> Option<&str> {
         self.attrs.get(key).and_then(|v| v.as_str())
     }
+
+    pub fn attr_bool(&self, key: &str) -> Option<bool> {
+        match self.attrs.get(key)? {
+            Value::Bool(b) => Some(*b),
+            Value::String(s) => s.parse().ok(),
+            _ => None,
+        }
+    }
 }
 
 fn hex(b: &[u8]) -> String {

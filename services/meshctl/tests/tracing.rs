@@ -435,6 +435,7 @@ async fn a_local_prefill_is_one_trace_and_explain_says_so() {
     let mesh = Mesh::up(&["--otlp-endpoint", &ep, "--trace-export-delay-ms", "100", "--max-local-prefill", "256"]);
     let body = chat_body("Tell me a fact about the moon.", r#","max_tokens":8"#);
     let (e, spans, _) = traced(&mesh, &sink, body).await;
+    eprintln!("{}", e.table());
     assert_eq!(roots(&spans).len(), 1, "one trace");
     let route = find(&spans, "pdmesh-router", "route");
     assert_eq!(route.attr_str("prefill.mode"), Some("local"), "{route:?}");
@@ -446,9 +447,14 @@ async fn a_local_prefill_is_one_trace_and_explain_says_so() {
     let forward = find(&spans, "pdmesh-decode", "prefill_forward");
     let decode = find(&spans, "pdmesh-decode", "pdmesh.decode.v1.Decode/Generate");
     assert!(ancestors(&spans, forward).iter().any(|a| a.span_id == decode.span_id));
-    assert_eq!(forward.attrs.get("prefill.local").map(|v| v.to_string()), Some("true".to_string()), "{forward:?}");
+    assert_eq!(forward.attr_bool("prefill.local"), Some(true), "{forward:?}");
     assert!(forward.attr_f64("prefill.computed_tokens").unwrap_or(0.0) > 0.0);
     assert!(!spans.iter().any(|s| s.service == "pdmesh-prefill"), "no prefill worker took part");
     assert!(!spans.iter().any(|s| s.name == "kv_transfer" || s.name.ends_with("/OpenTicket")), "no transfer");
     assert!(e.table().contains("which prefilled locally"), "explain: {}", e.table());
+    // Its time is prefill compute on the decode worker, never a KV transfer.
+    let part = |cause: &str| e.parts.iter().find(|p| p.cause == cause).cloned();
+    let compute = part("prefill compute").expect("a prefill compute stretch");
+    assert!(compute.detail.contains("prefilled locally by"), "{}", e.table());
+    assert!(part("KV transfer").map_or(0.0, |p| p.ms) < 2.0, "no transfer happened: {}", e.table());
 }
