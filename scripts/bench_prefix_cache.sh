@@ -17,6 +17,8 @@
 #  12. long unique prompts: shared cores vs prefill on CPU 0 and decode on CPU 1
 #  13. long unique prompts: kernel pools spinning ~3 ms before parking vs
 #      parking at once (PDMESH_POOL_SPIN_ITERS=0)
+#  14. long unique prompts: through the prefill worker (--max-local-prefill
+#      256, the default) vs prefilled by the decode worker (1024)
 #
 #   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
 #
@@ -29,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?path of llama-server}
 rounds=${2:-2}
-which=${3:-1,2,3,4,5,6,7,8,9,10,11,12,13}
+which=${3:-1,2,3,4,5,6,7,8,9,10,11,12,13,14}
 levels=${LEVELS:-1,4,16,32}
 tag=${TAG:+-$TAG}
 bin=target/release
@@ -129,5 +131,11 @@ if want 13; then
   mesh on 18180
   PDMESH_POOL_SPIN_ITERS=0 mesh nospin 18189
   lt 13 no-spin 127.0.0.1:18189 on "${long[@]}"
+  stop_meshes
+fi
+if want 14; then
+  mesh on 18180
+  mesh local1024 18190 --max-local-prefill 1024
+  lt 14 local-1024 127.0.0.1:18190 on "${long[@]}"
   stop_meshes
 fi
