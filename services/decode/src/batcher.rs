@@ -359,12 +359,15 @@ impl Loop {
                     self.ready.push_back(s);
                 }
             }
-            Err(e) => {
-                let _ = events.send(Err(pdmesh_worker::status(&e)));
-                self.stats.outcomes.inc(Outcome::Internal);
-                let _ = self.engine.release(seq);
-            }
+            Err(e) => self.end_with(seq, &events, pdmesh_worker::status(&e)),
         }
+    }
+
+    /// End a sequence on our fault: tell its caller, free it, count it.
+    fn end_with(&mut self, id: SeqId, events: &Events, status: Status) {
+        let _ = events.send(Err(status));
+        let _ = self.engine.release(id);
+        self.stats.outcomes.inc(Outcome::Internal);
     }
 
     /// Admit a local prefill: reuse the cached prefix, queue the rest.
@@ -451,26 +454,18 @@ impl Loop {
     fn drop_abandoned(&mut self) {
         let engine = &mut self.engine;
         let stats = &self.stats;
-        let mut keep = |s: &Seq| {
-            if s.events.is_closed() {
-                let _ = engine.release(s.id);
+        // Whether the sequence `id` streaming to `events` stays.
+        let mut keep = |id: SeqId, events: &Events| {
+            let gone = events.is_closed();
+            if gone {
+                let _ = engine.release(id);
                 stats.outcomes.inc(Outcome::Cancelled);
-                false
-            } else {
-                true
             }
+            !gone
         };
-        self.running.retain(&mut keep);
-        self.ready.retain(&mut keep);
-        self.prefilling.retain(|p| {
-            if p.events.is_closed() {
-                let _ = engine.release(p.id);
-                stats.outcomes.inc(Outcome::Cancelled);
-                false
-            } else {
-                true
-            }
-        });
+        self.running.retain(|s| keep(s.id, &s.events));
+        self.ready.retain(|s| keep(s.id, &s.events));
+        self.prefilling.retain(|p| keep(p.id, &p.events));
     }
 
     /// The local prefills' share of the next step: up to
@@ -523,15 +518,11 @@ impl Loop {
                 // request with it rather than retrying forever.
                 let st = pdmesh_worker::status(&e);
                 let why = || Status::internal(format!("decode step failed: {}", st.message()));
-                for s in self.running.drain(..) {
-                    let _ = s.events.send(Err(why()));
-                    let _ = self.engine.release(s.id);
-                    self.stats.outcomes.inc(Outcome::Internal);
-                }
-                for p in self.prefilling.drain(..) {
-                    let _ = p.events.send(Err(why()));
-                    let _ = self.engine.release(p.id);
-                    self.stats.outcomes.inc(Outcome::Internal);
+                let ended: Vec<(SeqId, Events)> = (self.running.drain(..).map(|s| (s.id, s.events.clone())))
+                    .chain(self.prefilling.drain(..).map(|p| (p.id, p.events)))
+                    .collect();
+                for (id, events) in ended {
+                    self.end_with(id, &events, why());
                 }
             }
         }
@@ -548,9 +539,7 @@ impl Loop {
         running.retain_mut(|s| match events.remove(&s.id) {
             Some(Ok(ev)) => self.emit(s, &ev),
             Some(Err(e)) => {
-                let _ = s.events.send(Err(pdmesh_worker::status(&e)));
-                let _ = self.engine.release(s.id);
-                self.stats.outcomes.inc(Outcome::Internal);
+                self.end_with(s.id, &s.events, pdmesh_worker::status(&e));
                 false
             }
             None => true,

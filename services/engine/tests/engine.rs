@@ -3,13 +3,9 @@
 
 mod common;
 
-use common::{fixture, golden, ids, load};
+use common::{fixture, golden, greedy, ids, load};
 use pdmesh_engine::gguf::Gguf;
 use pdmesh_engine::{EngineError, EngineOptions, Model, SamplingParams};
-
-fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { max_tokens: n, ignore_eos: true, ..Default::default() }
-}
 
 /// Prompts of different lengths: the golden chat prompts plus two long ones
 /// (so chunking by 64 really splits them).

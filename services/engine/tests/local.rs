@@ -5,12 +5,8 @@
 
 mod common;
 
-use common::{golden, ids, load};
-use pdmesh_engine::{ChatMessage, Engine, EngineOptions, SamplingParams, SeqId};
-
-fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { max_tokens: n, ignore_eos: true, ..Default::default() }
-}
+use common::{golden, greedy, ids, load, prompt_logits, second_turn, FIRST_QUESTION};
+use pdmesh_engine::{ChatMessage, Engine, EngineOptions, SeqId};
 
 /// The decode loop's way: every step gives each running sequence one token
 /// and the oldest local prefills up to `budget` prompt tokens. Prompts are
@@ -68,34 +64,12 @@ fn local_prefill_in_mixed_steps_gives_the_tokens_of_prefill_then_decode() {
     assert_eq!(local.engine.kv.free_blocks(), local.engine.kv.total());
 }
 
-/// The logits after the whole prompt, and how many positions were reused.
-fn prompt_logits(e: &mut Engine, prompt: &[u32]) -> (Vec<f32>, usize) {
-    let id = e.add_sequence(prompt.to_vec(), greedy(1)).unwrap();
-    let reused = e.reused_tokens(id).unwrap();
-    let logits = loop {
-        if let Some((_, l)) = e.forward_some(&[(id, 512)], Default::default()).unwrap().pop() {
-            break l;
-        }
-    };
-    e.release(id).unwrap();
-    (logits, reused)
-}
-
 /// Turn one of a chat as the decode worker runs it (prefilled, 24 decode
 /// steps, released into the cache), and turn two's prompt.
 fn two_turns(w: &mut common::Fixture) -> (Vec<u32>, Vec<u32>) {
-    let q1 = "What is the tallest mountain in Europe? Answer in one sentence.";
-    let turn1 = w.tok.encode_chat(&[ChatMessage::user(q1)]).unwrap();
+    let turn1 = w.tok.encode_chat(&[ChatMessage::user(FIRST_QUESTION)]).unwrap();
     let a1 = mixed(&mut w.engine, std::slice::from_ref(&turn1), 24, 256).remove(0);
-    let answer = w.tok.decode(&a1, true);
-    let turn2 = w
-        .tok
-        .encode_chat(&[
-            ChatMessage::user(q1),
-            ChatMessage { role: "assistant".into(), content: answer },
-            ChatMessage::user("And the tallest in Africa?"),
-        ])
-        .unwrap();
+    let turn2 = second_turn(&w.tok, &a1);
     (turn1, turn2)
 }
 

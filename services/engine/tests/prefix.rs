@@ -4,12 +4,8 @@
 
 mod common;
 
-use common::{golden, ids, load, Fixture};
-use pdmesh_engine::{ChatMessage, Engine, EngineOptions, SamplingParams};
-
-fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { max_tokens: n, ignore_eos: true, ..Default::default() }
-}
+use common::{golden, greedy, ids, load, prompt_logits, second_turn, Fixture, FIRST_QUESTION};
+use pdmesh_engine::{ChatMessage, Engine, EngineOptions};
 
 fn cold() -> Fixture {
     load(EngineOptions::default())
@@ -17,20 +13,6 @@ fn cold() -> Fixture {
 
 fn warm(extra: EngineOptions) -> Fixture {
     load(EngineOptions { prefix_cache_blocks: 512, ..extra })
-}
-
-/// The logits after the whole prompt, and how many positions were reused.
-fn prompt_logits(e: &mut Engine, prompt: &[u32]) -> (Vec<f32>, usize) {
-    let id = e.add_sequence(prompt.to_vec(), greedy(1)).unwrap();
-    let reused = e.reused_tokens(id).unwrap();
-    let chunk = e.options.prefill_chunk;
-    let logits = loop {
-        if let Some((_, l)) = e.forward_pending(&[id], chunk, Default::default()).unwrap().pop() {
-            break l;
-        }
-    };
-    e.release(id).unwrap();
-    (logits, reused)
 }
 
 /// The logits' bits (compared as one hash so a failure prints two numbers,
@@ -108,18 +90,9 @@ fn a_one_token_tail_and_chunk_boundaries_keep_the_cold_summation_order() {
 fn a_multi_turn_chat_reuses_the_first_turn_and_answers_as_cold() {
     let mut c = cold();
     let mut w = warm(EngineOptions::default());
-    let q1 = "What is the tallest mountain in Europe? Answer in one sentence.";
-    let turn1 = w.tok.encode_chat(&[ChatMessage::user(q1)]).unwrap();
+    let turn1 = w.tok.encode_chat(&[ChatMessage::user(FIRST_QUESTION)]).unwrap();
     let a1 = w.engine.generate_all(std::slice::from_ref(&turn1), &greedy(24), 1).unwrap().remove(0);
-    let answer = w.tok.decode(&a1, true);
-    let turn2 = w
-        .tok
-        .encode_chat(&[
-            ChatMessage::user(q1),
-            ChatMessage { role: "assistant".into(), content: answer },
-            ChatMessage::user("And the tallest in Africa?"),
-        ])
-        .unwrap();
+    let turn2 = second_turn(&w.tok, &a1);
     assert_eq!(turn2[..turn1.len() - 3], turn1[..turn1.len() - 3], "turn two extends turn one");
     let (want, _) = prompt_logits(&mut c.engine, &turn2);
     let (got, reused) = prompt_logits(&mut w.engine, &turn2);

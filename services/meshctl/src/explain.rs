@@ -202,13 +202,7 @@ impl<'a> Marks<'a> {
                     1 => "1 step".to_string(),
                     n => format!("{n} steps"),
                 },
-                int(forward, attr::PREFILL_CACHED_TOKENS)
-                    .filter(|n| *n > 0)
-                    .map(|n| format!(
-                        "; skipped {n} cached tokens, computed {}",
-                        int(forward, attr::PREFILL_COMPUTED_TOKENS).unwrap_or(0)
-                    ))
-                    .unwrap_or_default()
+                cached_note(forward)
             ),
             "prefill compute" => format!(
                 "{} prompt tokens in a batch of {} ({} tokens){}{}",
@@ -219,13 +213,7 @@ impl<'a> Marks<'a> {
                     .filter(|n| *n > 1)
                     .map(|n| format!(", over {n} steps"))
                     .unwrap_or_default(),
-                int(forward, attr::PREFILL_CACHED_TOKENS)
-                    .filter(|n| *n > 0)
-                    .map(|n| format!(
-                        "; prefill skipped {n} cached tokens, computed {}",
-                        int(forward, attr::PREFILL_COMPUTED_TOKENS).unwrap_or(0)
-                    ))
-                    .unwrap_or_default()
+                cached_note(forward)
             ),
             "decode admission" => format!(
                 "{} running, {} awaiting KV on {}",
@@ -339,6 +327,19 @@ impl Explanation {
         out += &format!("\n{}\n", self.sentence);
         out
     }
+}
+
+/// "; prefill skipped N cached tokens, computed M" when `forward` reused any.
+fn cached_note(forward: Option<&Span>) -> String {
+    int(forward, attr::PREFILL_CACHED_TOKENS)
+        .filter(|n| *n > 0)
+        .map(|n| {
+            format!(
+                "; prefill skipped {n} cached tokens, computed {}",
+                int(forward, attr::PREFILL_COMPUTED_TOKENS).unwrap_or(0)
+            )
+        })
+        .unwrap_or_default()
 }
 
 /// Which workers the `route` span says were picked, and why.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use pdmesh_engine::gguf::Gguf;
-use pdmesh_engine::{Engine, EngineOptions, Model, Tokenizer};
+use pdmesh_engine::{ChatMessage, Engine, EngineOptions, Model, SamplingParams, Tokenizer};
 use serde_json::Value;
 
 pub fn model_path() -> PathBuf {
@@ -41,4 +41,38 @@ pub fn golden() -> Vec<Value> {
 
 pub fn ids(v: &Value) -> Vec<u32> {
     v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+/// Greedy sampling of `n` tokens, EOS ignored.
+pub fn greedy(n: usize) -> SamplingParams {
+    SamplingParams { max_tokens: n, ignore_eos: true, ..Default::default() }
+}
+
+/// The logits after the whole prompt, and how many positions were reused.
+pub fn prompt_logits(e: &mut Engine, prompt: &[u32]) -> (Vec<f32>, usize) {
+    let id = e.add_sequence(prompt.to_vec(), greedy(1)).unwrap();
+    let reused = e.reused_tokens(id).unwrap();
+    let chunk = e.options.prefill_chunk;
+    let logits = loop {
+        if let Some((_, l)) = e.forward_pending(&[id], chunk, Default::default()).unwrap().pop() {
+            break l;
+        }
+    };
+    e.release(id).unwrap();
+    (logits, reused)
+}
+
+/// The test chat's first question.
+pub const FIRST_QUESTION: &str = "What is the tallest mountain in Europe? Answer in one sentence.";
+
+/// The test chat's second turn: the first question, `answer` (token ids)
+/// as the assistant's reply, and a follow-up question.
+pub fn second_turn(tok: &Tokenizer, answer: &[u32]) -> Vec<u32> {
+    let answer = tok.decode(answer, true);
+    tok.encode_chat(&[
+        ChatMessage::user(FIRST_QUESTION),
+        ChatMessage { role: "assistant".into(), content: answer },
+        ChatMessage::user("And the tallest in Africa?"),
+    ])
+    .unwrap()
 }
