@@ -42,9 +42,8 @@ pub struct Args {
     /// Router address; default: found in the registry.
     #[arg(long, env = "PDMESH_ROUTER_ADDR")]
     pub router_addr: Option<String>,
-    /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
-    pub registry_dir: PathBuf,
+    #[command(flatten)]
+    pub discovery: pdmesh_core::discovery::DiscoveryArgs,
     /// GGUF model for the engine-alone runs (default: the cached model).
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -199,7 +198,8 @@ fn engine_point(
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &a.registry_dir).await?;
+    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &*a.discovery.open_or_default()?)
+        .await?;
     let mut points = Vec::new();
     // Warm-up through the mesh (first-touch of weights and arenas).
     mesh_point(&addr, 1, 2, 8).await?;

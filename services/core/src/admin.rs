@@ -1,7 +1,9 @@
 //! The HTTP side every service exposes beside its gRPC port:
 //!
 //! - `GET /health`: 200 `ok` when the service is ready, 503 `not ready`
-//!   otherwise (what Consul's HTTP check and `meshctl up` wait on);
+//!   otherwise (what Consul's HTTP check and `meshctl up` wait on); a
+//!   second line says when discovery is unreachable (the instance keeps
+//!   serving on its last view, so it stays 200);
 //! - `GET /metrics`: Prometheus text (`pdmesh_*`), or OpenMetrics with
 //!   trace-id exemplars on the latency histograms when the scraper's
 //!   `Accept` asks for `application/openmetrics-text`;
@@ -97,10 +99,11 @@ pub async fn serve_admin(
 }
 
 async fn health(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {
-    if s.is_ready() {
-        (StatusCode::OK, "ok\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    let (code, word) =
+        if s.is_ready() { (StatusCode::OK, "ok") } else { (StatusCode::SERVICE_UNAVAILABLE, "not ready") };
+    match crate::discovery::health().detail() {
+        Some(d) => (code, format!("{word}\n{d}\n")),
+        None => (code, format!("{word}\n")),
     }
 }
 
@@ -109,7 +112,10 @@ async fn metrics(
     headers: axum::http::HeaderMap,
 ) -> impl IntoResponse {
     let format = Format::from_accept(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
-    ([(header::CONTENT_TYPE, format.content_type())], (s.metrics)(format))
+    let mut shared = crate::metrics::Text::new(format);
+    crate::discovery::health().render(&mut shared);
+    let doc = crate::metrics::splice((s.metrics)(format), shared);
+    ([(header::CONTENT_TYPE, format.content_type())], doc)
 }
 
 async fn set_fault(axum::extract::Path((name, value)): axum::extract::Path<(String, u64)>) -> impl IntoResponse {

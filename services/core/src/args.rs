@@ -1,19 +1,15 @@
 //! Flags every service shares, flattened into each service's own `Config`.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 
 #[derive(clap::Args, Debug, Clone, Default, serde::Serialize)]
 pub struct CommonArgs {
     /// HTTP address for /health, /metrics and /statusz (off when unset).
     #[arg(long, env = "PDMESH_HTTP_LISTEN")]
     pub http_listen: Option<SocketAddr>,
-    /// File-registry folder to announce this instance in (off when unset).
-    #[arg(long, env = "PDMESH_REGISTRY_DIR")]
-    pub registry_dir: Option<PathBuf>,
-    /// Seconds after which a registry entry without heartbeat counts as dead.
-    #[arg(long, env = "PDMESH_REGISTRY_TTL_S", default_value_t = 10)]
-    pub registry_ttl_s: u64,
+    /// Where to announce this instance and find the others (off when unset).
+    #[command(flatten)]
+    pub discovery: crate::discovery::DiscoveryArgs,
     /// Instance id in the registry (default: `<service>-<pid>`).
     #[arg(long, env = "PDMESH_INSTANCE_ID")]
     pub instance_id: Option<String>,
@@ -25,6 +21,11 @@ pub struct CommonArgs {
 }
 
 impl CommonArgs {
+    /// The discovery backend of `--discovery` / `--registry-dir`, if any.
+    pub fn open_discovery(&self) -> Result<Option<std::sync::Arc<dyn crate::discovery::Discovery>>, String> {
+        self.discovery.locator().map(|l| self.discovery.open(&l).map_err(|e| e.to_string())).transpose()
+    }
+
     /// This instance's id: `--instance-id`, else `<service>-<pid>`.
     pub fn instance_id(&self, service: &str) -> String {
         self.instance_id.clone().unwrap_or_else(|| format!("{service}-{}", std::process::id()))

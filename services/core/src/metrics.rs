@@ -140,6 +140,11 @@ impl Text {
         self.out
     }
 
+    /// The families written so far, without the end marker.
+    pub fn body(self) -> String {
+        self.out
+    }
+
     /// HELP and TYPE. OpenMetrics names a counter family without `_total`.
     fn head(&mut self, name: &str, kind: &str, help: &str) {
         let family = match (self.format, kind) {
@@ -194,6 +199,16 @@ impl Text {
         }
         let _ = writeln!(self.out, "{name}_sum {}\n{name}_count {}", g.sum, g.count);
         self
+    }
+}
+
+/// `doc` (a finished exposition) with the families of `more` added before
+/// its end marker: process-wide families every service shares.
+pub fn splice(doc: String, more: Text) -> String {
+    let more = more.body();
+    match doc.strip_suffix("# EOF\n") {
+        Some(head) => format!("{head}{more}# EOF\n"),
+        None => doc + &more,
     }
 }
 

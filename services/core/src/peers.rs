@@ -9,10 +9,12 @@ use std::time::Duration;
 use tonic::transport::Channel;
 
 use crate::args::CommonArgs;
-use crate::discovery::{watch, Discovery, FileRegistry, Instance};
+use crate::discovery::{watch, Discovery, Instance};
 use crate::grpc::Channels;
 
-/// How often a registry-backed peer set is re-read.
+/// Shortest gap between two discovery queries of a peer set: the file
+/// registry is re-read at this period; Consul's blocking queries return as
+/// soon as the set changes, and no sooner than this after the last one.
 pub const POLL: Duration = Duration::from_millis(300);
 
 #[derive(Clone)]
@@ -47,18 +49,15 @@ impl Peers {
         Peers { service: service.into(), rx: watch(d, service, POLL), _fixed: None, channels: Default::default() }
     }
 
-    /// Fixed addresses when given, else the registry of `common`; an error
-    /// when neither is configured.
+    /// Fixed addresses when given, else discovery as `common` configures
+    /// it; an error when neither is configured.
     pub fn resolve(common: &CommonArgs, service: &str, addrs: &[String]) -> Result<Peers, String> {
         if !addrs.is_empty() {
             return Ok(Peers::fixed(service, addrs));
         }
-        match &common.registry_dir {
-            Some(dir) => Ok(Peers::discovered(
-                Arc::new(FileRegistry::new(dir, Duration::from_secs(common.registry_ttl_s.max(1)))),
-                service,
-            )),
-            None => Err(format!("no address for the {service} service: give --{service}-addr or --registry-dir")),
+        match common.open_discovery()? {
+            Some(d) => Ok(Peers::discovered(d, service)),
+            None => Err(format!("no address for the {service} service: give --{service}-addr or --discovery")),
         }
     }
 

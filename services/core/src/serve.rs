@@ -7,13 +7,12 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 
 use crate::admin::{serve_admin, AdminState};
 use crate::args::CommonArgs;
-use crate::discovery::{Discovery, DiscoveryError, FileRegistry, Instance, Registration};
+use crate::discovery::{DiscoveryError, Instance, Registration};
 
 /// Why a service could not start, or stopped serving: the one start-up
 /// error type of every service binary (request errors have their own).
@@ -75,8 +74,28 @@ impl Admin {
         self.http_addr
     }
 
-    /// Mark ready and announce `service` at `grpc_addr` in the registry (if
-    /// `--registry-dir` was given). The returned guard withdraws it.
+    /// How this instance is announced: its addresses and the meta
+    /// operators filter on (version, config hash, role, KV transport).
+    fn instance(&self, service: &str, common: &CommonArgs, grpc_addr: SocketAddr) -> Instance {
+        let config = self.state.config();
+        let mut meta = std::collections::BTreeMap::new();
+        meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
+        meta.insert("config_hash".to_string(), crate::telemetry::config_hash(config));
+        meta.insert("role".to_string(), service.to_string());
+        if let Some(t) = config["transport"].as_str() {
+            meta.insert("kv_transport".to_string(), t.to_string());
+        }
+        Instance {
+            service: service.into(),
+            id: common.instance_id(service),
+            grpc_addr: grpc_addr.to_string(),
+            http_addr: self.http_addr.map(|a| a.to_string()),
+            meta,
+        }
+    }
+
+    /// Mark ready and announce `service` at `grpc_addr` (if discovery is
+    /// configured). The returned guard withdraws it.
     pub async fn announce(
         &self,
         service: &str,
@@ -84,28 +103,20 @@ impl Admin {
         grpc_addr: SocketAddr,
     ) -> Result<Announced, ServeError> {
         self.state.set_ready(true);
-        let registration = match &common.registry_dir {
-            Some(dir) => {
-                let reg = FileRegistry::new(dir, Duration::from_secs(common.registry_ttl_s.max(1)));
-                let id = common.instance_id(service);
-                let inst = Instance {
-                    service: service.into(),
-                    id,
-                    grpc_addr: grpc_addr.to_string(),
-                    http_addr: self.http_addr.map(|a| a.to_string()),
-                    meta: Default::default(),
-                };
-                Some(reg.register(inst).await?)
-            }
+        let registration = match common.open_discovery().map_err(ServeError::Setup)? {
+            Some(d) => Some(d.register(self.instance(service, common, grpc_addr)).await?),
             None => None,
         };
         Ok(Announced { registration })
     }
 
-    /// Not ready any more; withdraw from the registry and stop the admin server.
-    pub fn shut_down(mut self, announced: Announced) -> Result<(), ServeError> {
+    /// Not ready any more; withdraw from discovery and stop the admin server.
+    pub async fn shut_down(mut self, announced: Announced) -> Result<(), ServeError> {
         self.state.set_ready(false);
-        let r = announced.registration.map(Registration::deregister).transpose();
+        let r = match announced.registration {
+            Some(reg) => reg.deregister().await,
+            None => Ok(()),
+        };
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -155,7 +166,7 @@ pub async fn serve_grpc(
     tokio::pin!(server);
     let announced = tokio::select! {
         r = &mut server => {
-            admin.shut_down(Announced::none())?;
+            admin.shut_down(Announced::none()).await?;
             return Ok(r?);
         }
         _ = ready => {
@@ -164,7 +175,7 @@ pub async fn serve_grpc(
         }
     };
     let r = server.await;
-    admin.shut_down(announced)?;
+    admin.shut_down(announced).await?;
     Ok(r?)
 }
 

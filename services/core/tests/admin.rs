@@ -39,7 +39,9 @@ async fn health_follows_readiness_and_statusz_shows_config() {
     let (code, _) = tokio::task::spawn_blocking(move || get(addr, "/health")).await.unwrap();
     assert_eq!(code, 200);
     let (code, body) = tokio::task::spawn_blocking(move || get(addr, "/metrics")).await.unwrap();
-    assert_eq!((code, body.as_str()), (200, "pdmesh_requests_total 7\n"));
+    assert_eq!(code, 200);
+    assert!(body.starts_with("pdmesh_requests_total 7\n"), "{body}");
+    assert!(body.contains("\npdmesh_discovery_up 1\n"), "every service shows its discovery status: {body}");
     let (code, body) = tokio::task::spawn_blocking(move || get(addr, "/statusz")).await.unwrap();
     assert_eq!(code, 200);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();

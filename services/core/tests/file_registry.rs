@@ -30,7 +30,7 @@ async fn register_list_deregister() {
     let _t = reg.register(inst("tokenizer", "t-0", 2000)).await.unwrap();
     let ids: Vec<String> = reg.healthy("decode").await.unwrap().into_iter().map(|i| i.id).collect();
     assert_eq!(ids, ["d-0", "d-1"]);
-    a.deregister().unwrap();
+    a.deregister().await.unwrap();
     assert_eq!(reg.healthy("decode").await.unwrap(), vec![inst("decode", "d-0", 1000)]);
     assert!(reg.healthy("prefill").await.unwrap().is_empty());
     drop(b);
@@ -59,7 +59,7 @@ async fn heartbeats_keep_an_entry_alive_and_a_dead_one_expires() {
     // Well past several TTLs the heartbeated one is still listed.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(reg.healthy("prefill").await.unwrap().len(), 1);
-    alive.deregister().unwrap();
+    alive.deregister().await.unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -71,7 +71,7 @@ async fn watch_sees_instances_come_and_go() {
     let r = reg.register(inst("decode", "d-new", 4000)).await.unwrap();
     let ok = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|v| v.len() == 1)).await.is_ok_and(|r| r.is_ok());
     assert!(ok, "watch never saw the new instance");
-    r.deregister().unwrap();
+    r.deregister().await.unwrap();
     let ok = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|v| v.is_empty())).await.is_ok_and(|r| r.is_ok());
     assert!(ok, "watch never saw the instance leave");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -636,14 +636,14 @@ pub async fn serve(
     tokio::pin!(server);
     let announced = tokio::select! {
         r = &mut server => {
-            admin.shut_down(pdmesh_core::serve::Announced::none())?;
+            admin.shut_down(pdmesh_core::serve::Announced::none()).await?;
             r?;
             return Ok(());
         }
         _ = g.router.wait_any(Duration::from_secs(10 * 365 * 86400)) => admin.announce("gateway", &config.common, addr).await?,
     };
     let r = server.await;
-    admin.shut_down(announced)?;
+    admin.shut_down(announced).await?;
     r?;
     Ok(())
 }

@@ -157,8 +157,11 @@ async fn metrics_count_tickets_by_state_and_lease_expiries() {
     let _ = std::fs::remove_dir_all(&dir);
     let (mut c, svc) = boot_with(pdmesh_core::args::CommonArgs {
         http_listen: Some("127.0.0.1:0".parse().unwrap()),
-        registry_dir: Some(dir.clone()),
-        registry_ttl_s: 10,
+        discovery: pdmesh_core::discovery::DiscoveryArgs {
+            registry_dir: Some(dir.clone()),
+            registry_ttl_s: 10,
+            ..Default::default()
+        },
         instance_id: Some("broker-0".into()),
         ..Default::default()
     })

@@ -1,7 +1,6 @@
 //! `meshctl generate "text"`: one request through the router, streamed to stdout.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use pdmesh_proto::common::v1 as common;
@@ -26,16 +25,16 @@ pub struct Args {
     /// Router address; default: found in the registry.
     #[arg(long, env = "PDMESH_ROUTER_ADDR")]
     pub router_addr: Option<String>,
-    /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
-    pub registry_dir: PathBuf,
+    #[command(flatten)]
+    pub discovery: pdmesh_core::discovery::DiscoveryArgs,
     /// Deadline of the request, in seconds.
     #[arg(long, default_value_t = 300.0)]
     pub timeout_s: f64,
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &a.registry_dir).await?;
+    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &*a.discovery.open_or_default()?)
+        .await?;
     let ch = pdmesh_core::grpc::lazy_channel(&addr)?;
     let input = if a.raw {
         pb::generate_request::Input::Prompt(a.text)

@@ -100,9 +100,8 @@ pub struct ProbeArgs {
     /// Router address; default: found in the registry.
     #[arg(long, env = "PDMESH_ROUTER_ADDR")]
     pub router_addr: Option<String>,
-    /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
-    pub registry_dir: PathBuf,
+    #[command(flatten)]
+    pub discovery: pdmesh_core::discovery::DiscoveryArgs,
     /// Refuse to probe when any prefill or decode worker has more than this many sequences running or queued.
     #[arg(long, default_value_t = 4)]
     pub max_busy: u32,
@@ -140,8 +139,8 @@ fn worker_loads(list: &[Value]) -> Vec<Value> {
 }
 
 pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
-    let ttl = Duration::from_secs(10);
-    let before = worker_loads(&crate::status::collect(&a.registry_dir, ttl).await?);
+    let registry = a.discovery.open_or_default()?;
+    let before = worker_loads(&crate::status::collect(&*registry).await?);
     let busiest = before.iter().max_by_key(|i| busy(&i["load"]));
     if let Some(b) = busiest {
         let n = busy(&b["load"]);
@@ -153,7 +152,7 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
             ));
         }
     }
-    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &a.registry_dir).await?;
+    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &*registry).await?;
     let ch = pdmesh_core::grpc::lazy_channel(&addr)?;
     let trace_id = random_hex(16);
     let mut req = tonic::Request::new(pb::GenerateRequest {
@@ -192,7 +191,7 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
         }
     };
     let total = t0.elapsed();
-    let after = worker_loads(&crate::status::collect(&a.registry_dir, ttl).await?);
+    let after = worker_loads(&crate::status::collect(&*registry).await?);
     let chosen = [fin.prefill_worker.as_str(), fin.decode_worker.as_str()];
     let pick =
         |list: &[Value], id: &str| list.iter().find(|i| i["id"] == id).map(|i| i["load"].clone()).unwrap_or(json!({}));

@@ -1,9 +1,8 @@
 //! `meshctl status`: the registry's live instances, their health and load.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use pdmesh_core::discovery::{Discovery, FileRegistry};
+use pdmesh_core::discovery::Discovery;
 use pdmesh_core::http::{get, metric};
 use serde_json::json;
 
@@ -11,12 +10,9 @@ pub const SERVICES: [&str; 6] = ["tokenizer", "kvbroker", "prefill", "decode", "
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Registry folder of the mesh.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
-    pub registry_dir: PathBuf,
-    /// Seconds after which a registry entry without heartbeat counts as dead.
-    #[arg(long, env = "PDMESH_REGISTRY_TTL_S", default_value_t = 10)]
-    pub registry_ttl_s: u64,
+    /// Where the mesh registers (default: the local file registry).
+    #[command(flatten)]
+    pub discovery: pdmesh_core::discovery::DiscoveryArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -50,8 +46,7 @@ fn load_of(service: &str, metrics: &str) -> serde_json::Value {
 }
 
 /// Every live instance with health and load, as JSON.
-pub async fn collect(dir: &std::path::Path, ttl: Duration) -> Result<Vec<serde_json::Value>, String> {
-    let reg = FileRegistry::new(dir, ttl);
+pub async fn collect(reg: &dyn Discovery) -> Result<Vec<serde_json::Value>, String> {
     let mut out = Vec::new();
     for s in SERVICES {
         for inst in reg.healthy(s).await.map_err(|e| e.to_string())? {
@@ -96,17 +91,18 @@ pub async fn collect(dir: &std::path::Path, ttl: Duration) -> Result<Vec<serde_j
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let list = collect(&a.registry_dir, Duration::from_secs(a.registry_ttl_s.max(1))).await?;
+    let registry = a.discovery.open_or_default()?;
+    let list = collect(&*registry).await?;
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&json!({ "registry_dir": a.registry_dir, "instances": list }))
+            serde_json::to_string_pretty(&json!({ "discovery": registry.describe(), "instances": list }))
                 .unwrap_or_default()
         );
         return Ok(());
     }
     if list.is_empty() {
-        println!("no live instances in {}", a.registry_dir.display());
+        println!("no live instances in {}", registry.describe());
         return Ok(());
     }
     println!("{:<10} {:<14} {:<22} {:<22} {:<12} load", "SERVICE", "ID", "ADDR", "HTTP", "HEALTH");

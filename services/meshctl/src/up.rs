@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pdmesh_core::discovery::{Discovery, FileRegistry};
+use pdmesh_core::discovery::Locator;
 use tokio::process::{Child, Command};
 
 #[derive(clap::Args)]
@@ -16,10 +16,12 @@ pub struct Args {
     pub model: Option<PathBuf>,
     #[command(flatten)]
     pub cache: pdmesh_model::CacheArgs,
-    /// Registry folder the services announce themselves in.
-    #[arg(long, env = "PDMESH_REGISTRY_DIR", default_value_os_t = pdmesh_core::discovery::default_registry_dir())]
-    pub registry_dir: PathBuf,
-    /// Folder for the services' logs (default: `logs` beside the registry folder).
+    /// Where the services register and find each other (passed to each;
+    /// default: the file registry in $TMPDIR/pdmesh/registry).
+    #[command(flatten)]
+    pub discovery: pdmesh_core::discovery::DiscoveryArgs,
+    /// Folder for the services' logs (default: `logs` beside the file
+    /// registry's folder, or $TMPDIR/pdmesh/logs with Consul).
     #[arg(long)]
     pub log_dir: Option<PathBuf>,
     /// Folder holding the service binaries (default: meshctl's own folder).
@@ -274,17 +276,23 @@ fn bin_dir(a: &Args) -> Result<PathBuf, String> {
 }
 
 /// The registry and log folders, refusing a registry a live mesh uses.
-async fn folders(a: &Args) -> Result<PathBuf, String> {
-    let reg = FileRegistry::new(&a.registry_dir, Duration::from_secs(10));
+async fn folders(a: &Args, locator: &Locator) -> Result<PathBuf, String> {
+    let reg = a.discovery.open(locator).map_err(|e| e.to_string())?;
     if let Some(g) = reg.healthy("gateway").await.map_err(|e| e.to_string())?.first() {
         return Err(format!(
-            "a mesh is already running with registry {} (gateway at {}); stop it or give another --registry-dir",
-            a.registry_dir.display(),
+            "a mesh is already running in {} (gateway at {}); stop it or give another --discovery",
+            reg.describe(),
             g.grpc_addr
         ));
     }
-    std::fs::create_dir_all(&a.registry_dir).map_err(|e| format!("{}: {e}", a.registry_dir.display()))?;
-    let log_dir = a.log_dir.clone().unwrap_or_else(|| a.registry_dir.parent().unwrap_or(Path::new(".")).join("logs"));
+    let default_logs = match locator {
+        Locator::File(dir) => {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            dir.parent().unwrap_or(Path::new(".")).join("logs")
+        }
+        Locator::Consul(_) => std::env::temp_dir().join("pdmesh").join("logs"),
+    };
+    let log_dir = a.log_dir.clone().unwrap_or(default_logs);
     std::fs::create_dir_all(&log_dir).map_err(|e| format!("{}: {e}", log_dir.display()))?;
     Ok(log_dir)
 }
@@ -305,17 +313,10 @@ async fn model_path(a: &Args) -> Result<String, String> {
 }
 
 /// The flags every service of the mesh gets.
-fn common_args(a: &Args, id: &str, listen: String, http: &str) -> Vec<String> {
-    let mut args = vec![
-        "--listen".into(),
-        listen,
-        "--http-listen".into(),
-        http.to_string(),
-        "--registry-dir".into(),
-        a.registry_dir.display().to_string(),
-        "--instance-id".into(),
-        id.to_string(),
-    ];
+fn common_args(a: &Args, locator: &Locator, id: &str, listen: String, http: &str) -> Vec<String> {
+    let mut args = vec!["--listen".into(), listen, "--http-listen".into(), http.to_string()];
+    args.extend(a.discovery.to_args(locator));
+    args.extend(["--instance-id".into(), id.to_string()]);
     if a.enable_fault_injection {
         args.push("--enable-fault-injection".into());
     }
@@ -399,7 +400,7 @@ fn cpu_list(flag: &str, list: Option<&str>) -> Result<Vec<usize>, String> {
 }
 
 /// Every process of the mesh, in start order.
-fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc>, String> {
+fn plan(a: &Args, locator: &Locator, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc>, String> {
     if !(0..=19).contains(&a.prefill_nice) {
         return Err(format!("--prefill-nice must be 0..=19, got {}", a.prefill_nice));
     }
@@ -419,7 +420,7 @@ fn plan(a: &Args, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc
             let id = format!("{name}-{r}");
             let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
             let http = free_addr()?;
-            let mut args = common_args(a, &id, listen, &http);
+            let mut args = common_args(a, locator, &id, listen, &http);
             args.extend(service_args(a, name, model));
             let cpus = match name {
                 "prefill" => prefill_cpus.clone(),
@@ -511,9 +512,10 @@ fn restart_exited(a: &Args, svcs: &mut [Svc]) -> bool {
 
 pub async fn run(a: Args) -> Result<(), String> {
     let bin_dir = bin_dir(&a)?;
-    let log_dir = folders(&a).await?;
+    let locator = a.discovery.locator_or_default();
+    let log_dir = folders(&a, &locator).await?;
     let model = model_path(&a).await?;
-    let mut svcs = plan(&a, &bin_dir, &log_dir, &model)?;
+    let mut svcs = plan(&a, &locator, &bin_dir, &log_dir, &model)?;
     let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());
     let started = start_all(&mut svcs, Duration::from_secs(a.ready_timeout_s), &mut stop).await;
     let started = started.and_then(|_| a.prometheus_sd.as_ref().map_or(Ok(()), |f| write_prometheus_sd(f, &svcs)));
@@ -524,7 +526,7 @@ pub async fn run(a: Args) -> Result<(), String> {
     if let Some(f) = &a.prometheus_sd {
         eprintln!("meshctl: Prometheus targets in {}", f.display());
     }
-    println!("pdmesh is up: http://{}/v1 (registry {}); Ctrl-C stops it", a.gateway_addr, a.registry_dir.display());
+    println!("pdmesh is up: http://{}/v1 (discovery {locator}); Ctrl-C stops it", a.gateway_addr);
     // Supervise until a signal.
     loop {
         tokio::select! {

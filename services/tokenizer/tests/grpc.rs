@@ -111,8 +111,11 @@ async fn announces_itself_serves_admin_endpoints_and_withdraws_on_shutdown() {
     let _ = std::fs::remove_dir_all(&dir);
     let common = pdmesh_core::args::CommonArgs {
         http_listen: Some("127.0.0.1:0".parse().unwrap()),
-        registry_dir: Some(dir.clone()),
-        registry_ttl_s: 10,
+        discovery: pdmesh_core::discovery::DiscoveryArgs {
+            registry_dir: Some(dir.clone()),
+            registry_ttl_s: 10,
+            ..Default::default()
+        },
         instance_id: Some("tok-test".into()),
         ..Default::default()
     };

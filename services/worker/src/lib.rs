@@ -288,7 +288,7 @@ pub async fn serve_worker(
     };
     registrar.abort();
     let a = announced.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(Announced::none);
-    admin.shut_down(a)?;
+    admin.shut_down(a).await?;
     result?;
     Ok(())
 }
