@@ -15,6 +15,8 @@
 //! # }
 //! ```
 
+pub mod consul;
+
 use std::fmt::Debug;
 use std::future::Future;
 use std::net::SocketAddr;
