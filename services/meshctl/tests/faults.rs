@@ -10,7 +10,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{chat_request, raw_request, run, Mesh};
-use pdmesh_core::discovery::Discovery;
 use tonic::Code;
 
 const LEASE_MS: u64 = 3000;

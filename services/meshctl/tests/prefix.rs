@@ -12,7 +12,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::Mesh;
-use pdmesh_core::discovery::Discovery;
 use serde_json::Value;
 
 /// `scripts/openai_prefix_answers.py` against `mesh`.

@@ -10,13 +10,15 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pdmesh_core::discovery::{Discovery, FileRegistry, Instance};
+use pdmesh_core::discovery::{Discovery, Instance};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 
 pub struct Mesh {
     pub dir: PathBuf,
     pub gateway: String,
+    /// Where the mesh registers: its file registry, or `--discovery` when given.
+    discovery: std::sync::Arc<dyn Discovery>,
     child: Child,
     // One mesh at a time per test binary: two would fight over 2 cores and
     // make timing assertions meaningless. Dropped last (declared last).
@@ -44,6 +46,8 @@ impl Mesh {
         let mut child = Command::new(env!("CARGO_BIN_EXE_meshctl"))
             .args(["up", "--gateway-addr", &gateway, "--registry-dir"])
             .arg(dir.join("registry"))
+            .arg("--log-dir")
+            .arg(dir.join("logs"))
             .args(["--ready-timeout-s", "300"])
             .args(remote)
             .args(extra)
@@ -70,11 +74,18 @@ impl Mesh {
             }
             assert!(t0.elapsed() < Duration::from_secs(400), "mesh did not come up");
         }
-        Mesh { dir, gateway, child, _one_at_a_time: guard }
+        let args = pdmesh_core::discovery::DiscoveryArgs {
+            discovery: extra.iter().position(|a| *a == "--discovery").map(|i| extra[i + 1].to_string()),
+            registry_dir: Some(dir.join("registry")),
+            registry_ttl_s: 10,
+            ..Default::default()
+        };
+        let discovery = args.open_or_default().expect("the mesh's discovery opens");
+        Mesh { dir, gateway, discovery, child, _one_at_a_time: guard }
     }
 
-    pub fn registry(&self) -> FileRegistry {
-        FileRegistry::new(self.dir.join("registry"), Duration::from_secs(10))
+    pub fn registry(&self) -> std::sync::Arc<dyn Discovery> {
+        self.discovery.clone()
     }
 
     pub async fn instance(&self, service: &str) -> Instance {
