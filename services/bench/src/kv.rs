@@ -100,10 +100,10 @@ async fn target(a: &Args) -> Result<(), String> {
         let x = std::sync::Arc::new(x);
         let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         kv::spawn_progress(x.clone(), || true, flag.clone());
-        pdmesh_core::grpc::serve_routes(routes, l, stop).await.map_err(|e| e.to_string())?;
+        pdmesh_core::grpc::serve_routes(routes, l, Default::default(), stop).await.map_err(|e| e.to_string())?;
         flag.store(true, std::sync::atomic::Ordering::Relaxed);
     } else {
-        pdmesh_core::grpc::serve_routes(routes, l, stop).await.map_err(|e| e.to_string())?;
+        pdmesh_core::grpc::serve_routes(routes, l, Default::default(), stop).await.map_err(|e| e.to_string())?;
     }
     Ok(())
 }

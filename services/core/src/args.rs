@@ -10,6 +10,9 @@ pub struct CommonArgs {
     /// Where to announce this instance and find the others (off when unset).
     #[command(flatten)]
     pub discovery: crate::discovery::DiscoveryArgs,
+    /// How the instance drains on SIGTERM.
+    #[command(flatten)]
+    pub drain: crate::drain::DrainArgs,
     /// Instance id in the registry (default: `<service>-<pid>`).
     #[arg(long, env = "PDMESH_INSTANCE_ID")]
     pub instance_id: Option<String>,

@@ -128,6 +128,7 @@ const CONN_WINDOW: u32 = 16 << 20;
 pub async fn serve_routes(
     routes: tonic::service::Routes,
     listener: tokio::net::TcpListener,
+    in_flight: crate::drain::InFlight,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     use tokio_stream::StreamExt;
@@ -141,6 +142,7 @@ pub async fn serve_routes(
         .initial_stream_window_size(Some(STREAM_WINDOW))
         .initial_connection_window_size(Some(CONN_WINDOW))
         .layer(crate::telemetry::ServerSpans)
+        .layer(in_flight)
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await

@@ -1,12 +1,13 @@
 //! Shared runtime of pdmesh services: the flags they share ([`args`]),
-//! service discovery ([`discovery`], file registry backend; Consul comes
-//! later) and the HTTP admin endpoints every service serves ([`admin`]:
+//! service discovery ([`discovery`]: file registry and Consul backends),
+//! graceful drain ([`drain`]) and the HTTP admin endpoints every service serves ([`admin`]:
 //! /health, /metrics, /statusz), metrics text ([`metrics`]) and tracing
 //! ([`telemetry`]: OTLP export, W3C trace context on every hop).
 
 pub mod admin;
 pub mod args;
 pub mod discovery;
+pub mod drain;
 pub mod faults;
 pub mod grpc;
 pub mod http;

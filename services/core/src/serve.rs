@@ -7,6 +7,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 
@@ -110,6 +111,33 @@ impl Admin {
         Ok(Announced { registration })
     }
 
+    /// Take the instance out of service and wait for `busy()` to reach 0
+    /// (see [`crate::drain`]): not ready, gRPC health NOT_SERVING, the
+    /// registration drained. Returns the requests still in flight (0 = clean).
+    pub async fn drain(
+        &self,
+        announced: &mut Announced,
+        health: Option<&crate::grpc::Health>,
+        common: &CommonArgs,
+        busy: impl Fn() -> usize,
+    ) -> usize {
+        self.state.set_ready(false);
+        if let Some(h) = health {
+            h.set(false).await;
+        }
+        // Peers need notice only of an instance they found through discovery.
+        let notice = match announced.registration.as_mut() {
+            Some(r) => {
+                if let Err(e) = r.drain().await {
+                    eprintln!("pdmesh-{}: drain: {e}", self.state.service());
+                }
+                true
+            }
+            None => false,
+        };
+        common.drain.wait_idle(&format!("pdmesh-{}", self.state.service()), notice, busy).await
+    }
+
     /// Not ready any more; withdraw from discovery and stop the admin server.
     pub async fn shut_down(mut self, announced: Announced) -> Result<(), ServeError> {
         self.state.set_ready(false);
@@ -148,10 +176,14 @@ pub struct Grpc {
     pub routes: tonic::service::Routes,
 }
 
+/// How long a drained server may take to close its connections before the
+/// process exits regardless.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
 /// Serve `grpc` (plus health and reflection) on `listener` until
 /// `shutdown`. Once `ready` resolves, gRPC health turns SERVING and the
-/// instance is announced in the registry; on the way out it is withdrawn
-/// and the admin server stopped.
+/// instance is announced; on `shutdown` it drains ([`crate::drain`]), then
+/// withdraws and stops the admin server.
 pub async fn serve_grpc(
     admin: Admin,
     common: &CommonArgs,
@@ -162,19 +194,36 @@ pub async fn serve_grpc(
 ) -> Result<(), ServeError> {
     let (routes, health) = crate::grpc::standard_routes(grpc.routes, grpc.name).await.map_err(ServeError::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("local address: {e}")))?;
-    let server = crate::grpc::serve_routes(routes, listener, shutdown);
+    let in_flight = crate::drain::InFlight::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = crate::grpc::serve_routes(routes, listener, in_flight.clone(), async {
+        let _ = stopped.await;
+    });
     tokio::pin!(server);
-    let announced = tokio::select! {
+    tokio::pin!(shutdown);
+    let (mut announced, signalled) = tokio::select! {
         r = &mut server => {
             admin.shut_down(Announced::none()).await?;
             return Ok(r?);
         }
+        _ = &mut shutdown => (Announced::none(), true),
         _ = ready => {
             health.set(true).await;
-            admin.announce(grpc.service, common, grpc_addr).await?
+            (admin.announce(grpc.service, common, grpc_addr).await?, false)
         }
     };
-    let r = server.await;
+    if !signalled {
+        tokio::select! {
+            r = &mut server => {
+                admin.shut_down(announced).await?;
+                return Ok(r?);
+            }
+            _ = &mut shutdown => {}
+        }
+        admin.drain(&mut announced, Some(&health), common, || in_flight.get()).await;
+    }
+    let _ = stop.send(());
+    let r = tokio::time::timeout(CLOSE_GRACE, &mut server).await.unwrap_or(Ok(()));
     admin.shut_down(announced).await?;
     Ok(r?)
 }

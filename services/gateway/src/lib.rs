@@ -632,17 +632,37 @@ pub async fn serve(
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown).into_future();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = stopped.await;
+        })
+        .into_future();
     tokio::pin!(server);
+    tokio::pin!(shutdown);
     let announced = tokio::select! {
         r = &mut server => {
             admin.shut_down(pdmesh_core::serve::Announced::none()).await?;
             r?;
             return Ok(());
         }
-        _ = g.router.wait_any(Duration::from_secs(10 * 365 * 86400)) => admin.announce("gateway", &config.common, addr).await?,
+        _ = &mut shutdown => pdmesh_core::serve::Announced::none(),
+        _ = g.router.wait_any(Duration::from_secs(10 * 365 * 86400)) => {
+            let mut a = admin.announce("gateway", &config.common, addr).await?;
+            tokio::select! {
+                r = &mut server => {
+                    admin.shut_down(a).await?;
+                    r?;
+                    return Ok(());
+                }
+                _ = &mut shutdown => {}
+            }
+            admin.drain(&mut a, None, &config.common, || g.in_flight.load(Ordering::Relaxed) as usize).await;
+            a
+        }
     };
-    let r = server.await;
+    let _ = stop.send(());
+    let r = tokio::time::timeout(pdmesh_core::serve::CLOSE_GRACE, &mut server).await.unwrap_or(Ok(()));
     admin.shut_down(announced).await?;
     r?;
     Ok(())

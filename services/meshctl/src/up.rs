@@ -94,6 +94,9 @@ pub struct Args {
     /// Decode workers to run.
     #[arg(long, default_value_t = 1)]
     pub decode_replicas: usize,
+    /// How each service drains on SIGTERM (passed to every service).
+    #[command(flatten)]
+    pub drain: pdmesh_core::drain::DrainArgs,
     /// Do not restart a service that exits on its own.
     #[arg(long)]
     pub no_restart: bool,
@@ -249,18 +252,29 @@ impl Svc {
         }
     }
 
-    /// SIGTERM, then SIGKILL after `grace`.
-    async fn stop(&mut self, grace: Duration) {
-        let Some(mut c) = self.child.take() else { return };
-        if let Some(pid) = c.id() {
+    /// SIGTERM: the service drains and exits.
+    fn terminate(&self) {
+        if let Some(pid) = self.child.as_ref().and_then(Child::id) {
             // SAFETY: plain kill(2) on our own child's pid.
             unsafe {
                 libc::kill(pid as libc::pid_t, libc::SIGTERM);
             }
         }
+    }
+
+    /// Wait up to `grace` for a terminated service to exit, then SIGKILL it.
+    async fn reap(&mut self, grace: Duration) {
+        let Some(mut c) = self.child.take() else { return };
         if tokio::time::timeout(grace, c.wait()).await.is_err() {
+            eprintln!("meshctl: {} did not exit within {} s of SIGTERM; killing it", self.name, grace.as_secs());
             let _ = c.kill().await;
         }
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    async fn stop(&mut self, grace: Duration) {
+        self.terminate();
+        self.reap(grace).await;
     }
 }
 
@@ -317,6 +331,8 @@ fn common_args(a: &Args, locator: &Locator, id: &str, listen: String, http: &str
     let mut args = vec!["--listen".into(), listen, "--http-listen".into(), http.to_string()];
     args.extend(a.discovery.to_args(locator));
     args.extend(["--instance-id".into(), id.to_string()]);
+    args.extend(["--drain-timeout-s".into(), a.drain.drain_timeout_s.to_string()]);
+    args.extend(["--drain-notice-ms".into(), a.drain.drain_notice_ms.to_string()]);
     if a.enable_fault_injection {
         args.push("--enable-fault-injection".into());
     }
@@ -450,9 +466,18 @@ fn plan(a: &Args, locator: &Locator, bin_dir: &Path, log_dir: &Path, model: &str
     Ok(svcs)
 }
 
+/// Stop the mesh: the gateway drains first (its requests finish while
+/// everything behind it still serves), then the rest drain together (with
+/// no new requests coming in, each waits only for its own in-flight work).
 async fn stop_all(svcs: &mut [Svc], grace: Duration) {
-    for s in svcs.iter_mut().rev() {
+    for s in svcs.iter_mut().filter(|s| s.name.starts_with("gateway")) {
         s.stop(grace).await;
+    }
+    for s in svcs.iter() {
+        s.terminate();
+    }
+    for s in svcs.iter_mut() {
+        s.reap(grace).await;
     }
 }
 
@@ -540,7 +565,7 @@ pub async fn run(a: Args) -> Result<(), String> {
         }
     }
     eprintln!("meshctl: stopping (gateway first)");
-    stop_all(&mut svcs, Duration::from_secs(10)).await;
+    stop_all(&mut svcs, a.drain.grace()).await;
     Ok(())
 }
 

@@ -27,12 +27,6 @@ fn passing_ids(fake: &FakeConsul, name: &str) -> Vec<String> {
     ids
 }
 
-fn pid_of(http: &str) -> i32 {
-    let (_, body) = pdmesh_testkit::http_get(http, "/statusz");
-    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    v["pid"].as_i64().unwrap() as i32
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_mesh_registers_in_consul_and_routes_by_its_checks() {
     let fake = FakeConsul::start_new(Some(TOKEN)).await;
@@ -89,7 +83,7 @@ async fn the_mesh_registers_in_consul_and_routes_by_its_checks() {
     // kill -9 of a decode: its check fails and it leaves routing within
     // one check interval plus one watch round; requests keep working.
     let victim = mesh.registry().healthy("decode").await.unwrap().pop().unwrap();
-    let pid = pid_of(victim.http_addr.as_deref().unwrap());
+    let pid = common::pid_of(&victim);
     // SAFETY: kill(2) on a service process this test's mesh started.
     unsafe {
         libc::kill(pid, libc::SIGKILL);

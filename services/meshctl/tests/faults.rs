@@ -251,8 +251,7 @@ async fn a_prefill_killed_before_the_first_token_fails_no_request() {
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     let victim = mesh.registry().healthy("prefill").await.unwrap().remove(0);
-    let (_, status) = pdmesh_testkit::http_get(victim.http_addr.as_deref().unwrap(), "/statusz");
-    let pid = serde_json::from_str::<serde_json::Value>(&status).unwrap()["pid"].as_u64().unwrap() as i32;
+    let pid = common::pid_of(&victim);
     // SAFETY: kill(2) on a mesh child process.
     unsafe {
         libc::kill(pid, libc::SIGKILL);

@@ -11,7 +11,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::Mesh;
+use common::{pid_of, Mesh};
 use serde_json::Value;
 
 /// `scripts/openai_prefix_answers.py` against `mesh`.
@@ -142,13 +142,6 @@ async fn holder(mesh: &Mesh) -> pdmesh_core::discovery::Instance {
 }
 
 /// An instance's pid from its /statusz (0 when it does not answer).
-fn pid_of(i: &pdmesh_core::discovery::Instance) -> i32 {
-    let got = pdmesh_core::http::get(i.http_addr.as_deref().unwrap_or(""), "/statusz", Duration::from_secs(2));
-    let Ok((200, body)) = got else { return 0 };
-    let v: Value = serde_json::from_str(&body).unwrap_or_default();
-    v["pid"].as_u64().unwrap_or(0) as i32
-}
-
 /// `pdmesh_router_prefill_mode_total` by mode: (local, remote).
 async fn modes(mesh: &Mesh) -> (f64, f64) {
     let m = |mode: &str| format!("pdmesh_router_prefill_mode_total{{mode=\"{mode}\"}}");

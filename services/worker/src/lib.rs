@@ -281,13 +281,29 @@ pub async fn serve_worker(
             }
         }
     };
-    let server = pdmesh_core::grpc::serve_routes(routes, listener, shutdown);
+    let in_flight = pdmesh_core::drain::InFlight::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = pdmesh_core::grpc::serve_routes(routes, listener, in_flight.clone(), async {
+        let _ = stopped.await;
+    });
+    tokio::pin!(server);
     let result = tokio::select! {
-        r = server => r,
+        r = &mut server => Some(r),
+        _ = shutdown => None,
         _ = async { gate.await; std::future::pending::<()>().await } => unreachable!(),
     };
+    let mut a = announced.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(Announced::none);
+    let result = match result {
+        Some(r) => r,
+        None => {
+            // Still registered with the broker while draining: transfers
+            // for the requests in flight need this worker's agent.
+            admin.drain(&mut a, Some(&health), common, || in_flight.get()).await;
+            let _ = stop.send(());
+            tokio::time::timeout(pdmesh_core::serve::CLOSE_GRACE, &mut server).await.unwrap_or(Ok(()))
+        }
+    };
     registrar.abort();
-    let a = announced.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(Announced::none);
     admin.shut_down(a).await?;
     result?;
     Ok(())

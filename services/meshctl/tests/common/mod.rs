@@ -415,3 +415,11 @@ pub async fn golden_at_once(router: &pb::router_client::RouterClient<tonic::tran
         assert_eq!(got, want, "a request changed tokens when {n} ran at once");
     }
 }
+
+/// The process id of a live instance (from its /statusz; 0 if it does not answer).
+pub fn pid_of(i: &Instance) -> i32 {
+    let got = pdmesh_core::http::get(i.http_addr.as_deref().unwrap_or(""), "/statusz", Duration::from_secs(2));
+    let Ok((200, body)) = got else { return 0 };
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    v["pid"].as_u64().unwrap_or(0) as i32
+}

@@ -1,0 +1,85 @@
+//! Graceful drain on SIGTERM, on a real mesh: the instance leaves
+//! discovery first, finishes what it holds, then exits; at the drain
+//! deadline what is left ends with a clean retriable error, never a hang.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{chat_request, pid_of, run, Mesh};
+
+/// Whether process `pid` still exists.
+fn alive(pid: i32) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+fn sigterm(pid: i32) {
+    // SAFETY: kill(2) on a service process this test's mesh started.
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+}
+
+/// Wait until the decode `id` runs at least `n` sequences.
+async fn running_on(mesh: &Mesh, id: &str, n: f64) {
+    let t0 = Instant::now();
+    loop {
+        let m = mesh.metrics_all("decode").await;
+        let running =
+            m.iter().find(|(i, _)| i == id).and_then(|(_, t)| pdmesh_core::http::metric(t, "pdmesh_decode_running"));
+        if running.is_some_and(|r| r >= n) {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{id} never ran {n} sequences");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_drained_with_running_sequences_finishes_them_and_leaves() {
+    let mesh = tokio::task::block_in_place(|| {
+        Mesh::up(&["--decode-replicas", "2", "--threads", "1", "--no-restart", "--router-policy", "least-busy"])
+    });
+    let victim = mesh.registry().healthy("decode").await.unwrap().remove(0);
+    let pid = pid_of(&victim);
+    let router = mesh.router().await;
+    let tokens = 96;
+    let mut reqs = Vec::new();
+    for i in 0..8 {
+        let mut r = router.clone();
+        reqs.push(tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_secs(120),
+                run(&mut r, chat_request(&format!("Tell me about the number {i}"), tokens, true)),
+            )
+            .await
+        }));
+    }
+    running_on(&mesh, &victim.id, 2.0).await;
+    let t0 = Instant::now();
+    sigterm(pid);
+    // Out of discovery at once, while it still serves what it holds.
+    while mesh.registry().healthy("decode").await.unwrap().iter().any(|i| i.id == victim.id) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{} still listed while draining", victim.id);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(alive(pid), "a drained decode waits for its sequences");
+    // New requests go to the other decode meanwhile.
+    let mut r = router.clone();
+    let extra =
+        run(&mut r, chat_request("A new request during the drain", 8, true)).await.expect("served by the other decode");
+    assert_eq!(extra.ids.len(), 8);
+    for (i, q) in reqs.into_iter().enumerate() {
+        let out =
+            q.await.unwrap().expect("ends within its deadline").unwrap_or_else(|e| panic!("request {i} failed: {e}"));
+        assert_eq!(out.ids.len(), tokens as usize, "request {i} got all its tokens");
+    }
+    while alive(pid) {
+        assert!(t0.elapsed() < Duration::from_secs(40), "the drained decode never exited");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = std::fs::read_to_string(mesh.dir.join("logs").join(format!("{}.log", victim.id))).unwrap();
+    assert!(log.contains("drained in"), "the decode says it drained clean:\n{log}");
+    mesh.assert_released(Duration::from_secs(10)).await;
+}
