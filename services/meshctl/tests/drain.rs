@@ -83,3 +83,23 @@ async fn a_decode_drained_with_running_sequences_finishes_them_and_leaves() {
     assert!(log.contains("drained in"), "the decode says it drained clean:\n{log}");
     mesh.assert_released(Duration::from_secs(10)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_the_drain_deadline_what_is_left_ends_with_a_retriable_error() {
+    let mesh = tokio::task::block_in_place(|| Mesh::up(&["--threads", "1", "--no-restart", "--drain-timeout-s", "1"]));
+    let decode = mesh.instance("decode").await;
+    let pid = pid_of(&decode);
+    let mut r = mesh.router().await;
+    let long = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(120), run(&mut r, chat_request("Count to a million", 3000, true)))
+            .await
+    });
+    running_on(&mesh, &decode.id, 1.0).await;
+    let t0 = Instant::now();
+    sigterm(pid);
+    let out = long.await.unwrap().expect("no hang: the straggler ends soon after the deadline");
+    let e = out.expect_err("3000 tokens cannot finish in a 1 s drain");
+    eprintln!("straggler ended after {:?}: {e:?}", t0.elapsed());
+    assert_eq!(e.code(), tonic::Code::Unavailable, "retriable: {e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "notice 1 s + deadline 1 s + close: {:?}", t0.elapsed());
+}
