@@ -107,6 +107,6 @@ async fn the_mesh_registers_in_consul_and_routes_by_its_checks() {
     // Shutdown deregisters every live instance; the killed one stays, critical, until the agent reaps it.
     drop(mesh);
     let left: Vec<String> = fake.services().into_keys().collect();
-    assert_eq!(left, [victim.id.clone()], "only the killed instance is left");
+    assert_eq!(left, vec![victim.id.clone()], "only the killed instance is left");
     assert_eq!(fake.checks()[&format!("service:{}", victim.id)]["Status"], "critical");
 }

@@ -349,7 +349,7 @@ impl Discovery for Consul {
                         _ = tokio::time::sleep(every) => {}
                     }
                     n += 1;
-                    match me.beat(&id, ttl, n % VERIFY_EVERY == 0, &body).await {
+                    match me.beat(&id, ttl, n.is_multiple_of(VERIFY_EVERY), &body).await {
                         Ok(()) => health().ok(),
                         Err(e) => health().failed(&format!("heartbeat of {id}: {e}")),
                     }
