@@ -49,19 +49,16 @@ impl DrainArgs {
         Duration::from_millis(self.drain_notice_ms) + Duration::from_secs(self.drain_timeout_s + 5)
     }
 
-    /// Wait for `busy()` to reach 0 after the notice period (if `notice`),
-    /// up to the deadline; the count left (0 = drained clean). `what` names
-    /// the instance in the log lines.
-    pub async fn wait_idle(&self, what: &str, notice: bool, busy: impl Fn() -> usize) -> usize {
-        let t0 = tokio::time::Instant::now();
-        eprintln!(
-            "{what}: draining: out of discovery; {} request(s) in flight; up to {} s for them to finish",
-            busy(),
-            self.drain_timeout_s
-        );
-        if notice {
-            tokio::time::sleep(Duration::from_millis(self.drain_notice_ms)).await;
-        }
+    /// The notice period: peers' watches catch up while requests they
+    /// routed meanwhile are still served.
+    pub async fn notice(&self) {
+        tokio::time::sleep(Duration::from_millis(self.drain_notice_ms)).await;
+    }
+
+    /// Wait for `busy()` to reach 0, up to `--drain-timeout-s` after `t0`
+    /// (when the drain began); the count left (0 = drained clean). `what`
+    /// names the instance in the log lines.
+    pub async fn wait_idle(&self, what: &str, t0: tokio::time::Instant, busy: impl Fn() -> usize) -> usize {
         let deadline = t0 + Duration::from_secs(self.drain_timeout_s);
         loop {
             let n = busy();

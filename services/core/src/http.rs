@@ -1,6 +1,6 @@
-//! A minimal blocking HTTP/1.1 GET for admin endpoints (/health,
-//! /metrics, /statusz) — what `meshctl` and tests need, without an HTTP
-//! client dependency.
+//! A minimal blocking HTTP/1.1 client for admin endpoints (/health,
+//! /metrics, /statusz) and meshctl's control endpoint — what `meshctl` and
+//! tests need, without an HTTP client dependency.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -23,12 +23,32 @@ pub fn put(addr: &str, path: &str, timeout: Duration) -> std::io::Result<(u16, S
     request("PUT", addr, path, "", timeout)
 }
 
+/// `POST http://addr/path` with a JSON body: (status code, body).
+pub fn post_json(addr: &str, path: &str, body: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+    send("POST", addr, path, "Content-Type: application/json\r\n", body, timeout)
+}
+
 fn request(method: &str, addr: &str, path: &str, headers: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+    send(method, addr, path, headers, "", timeout)
+}
+
+fn send(
+    method: &str,
+    addr: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
     let sa = addr.to_socket_addrs()?.next().ok_or_else(|| std::io::Error::other(format!("cannot resolve {addr}")))?;
     let mut s = TcpStream::connect_timeout(&sa, timeout)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n")?;
+    let n = body.len();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Length: {n}\r\nConnection: close\r\n\r\n{body}"
+    )?;
     let mut resp = Vec::new();
     s.read_to_end(&mut resp)?;
     let resp = String::from_utf8_lossy(&resp);

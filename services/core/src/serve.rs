@@ -111,9 +111,26 @@ impl Admin {
         Ok(Announced { registration })
     }
 
-    /// Take the instance out of service and wait for `busy()` to reach 0
-    /// (see [`crate::drain`]): not ready, gRPC health NOT_SERVING, the
-    /// registration drained. Returns the requests still in flight (0 = clean).
+    /// Take the instance out of service (see [`crate::drain`]): not ready,
+    /// gRPC health NOT_SERVING, the registration drained; then, if peers
+    /// found it through discovery, give them `--drain-notice-ms` to notice.
+    pub async fn leave(&self, announced: &mut Announced, health: Option<&crate::grpc::Health>, common: &CommonArgs) {
+        self.state.set_ready(false);
+        if let Some(h) = health {
+            h.set(false).await;
+        }
+        let what = format!("pdmesh-{}", self.state.service());
+        eprintln!("{what}: draining: out of service; up to {} s for the work in flight", common.drain.drain_timeout_s);
+        if let Some(r) = announced.registration.as_mut() {
+            if let Err(e) = r.drain().await {
+                eprintln!("{what}: drain: {e}");
+            }
+            common.drain.notice().await;
+        }
+    }
+
+    /// [`Admin::leave`], then wait for `busy()` to reach 0 (up to
+    /// `--drain-timeout-s`). Returns the requests still in flight (0 = clean).
     pub async fn drain(
         &self,
         announced: &mut Announced,
@@ -121,21 +138,9 @@ impl Admin {
         common: &CommonArgs,
         busy: impl Fn() -> usize,
     ) -> usize {
-        self.state.set_ready(false);
-        if let Some(h) = health {
-            h.set(false).await;
-        }
-        // Peers need notice only of an instance they found through discovery.
-        let notice = match announced.registration.as_mut() {
-            Some(r) => {
-                if let Err(e) = r.drain().await {
-                    eprintln!("pdmesh-{}: drain: {e}", self.state.service());
-                }
-                true
-            }
-            None => false,
-        };
-        common.drain.wait_idle(&format!("pdmesh-{}", self.state.service()), notice, busy).await
+        let t0 = tokio::time::Instant::now();
+        self.leave(announced, health, common).await;
+        common.drain.wait_idle(&format!("pdmesh-{}", self.state.service()), t0, busy).await
     }
 
     /// Not ready any more; withdraw from discovery and stop the admin server.
@@ -236,7 +241,61 @@ where
     Fut: Future<Output = Result<(), E>>,
     E: Display,
 {
-    let listener = match TcpListener::bind(listen).await {
+    run_main_on(name, Listen::Addr(listen), serve).await
+}
+
+/// Where a service's main port comes from.
+#[derive(Clone, Copy, Debug)]
+pub enum Listen {
+    /// Bind this address.
+    Addr(SocketAddr),
+    /// A listening socket inherited as this file descriptor (a supervisor
+    /// such as `meshctl up` bound it and shares it between the old and the
+    /// new process during a restart, so no connection is refused or reset).
+    Fd(i32),
+}
+
+impl Listen {
+    fn open(self) -> std::io::Result<TcpListener> {
+        match self {
+            Listen::Addr(a) => {
+                // std's bind, as tokio's: SO_REUSEADDR, no SO_REUSEPORT.
+                let l = std::net::TcpListener::bind(a)?;
+                l.set_nonblocking(true)?;
+                TcpListener::from_std(l)
+            }
+            Listen::Fd(fd) => {
+                use std::os::fd::FromRawFd;
+                // SAFETY: the flag that names `fd` says the parent passed a
+                // listening socket there for this process to own; nothing
+                // else in the process uses it. A wrong fd fails below.
+                let l = unsafe { std::net::TcpListener::from_raw_fd(fd) };
+                l.local_addr()
+                    .map_err(|e| std::io::Error::other(format!("file descriptor {fd} is no listening socket: {e}")))?;
+                l.set_nonblocking(true)?;
+                TcpListener::from_std(l)
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Addr(a) => write!(f, "{a}"),
+            Listen::Fd(fd) => write!(f, "file descriptor {fd}"),
+        }
+    }
+}
+
+/// [`run_main`] on a listener from `listen` (an address or an inherited socket).
+pub async fn run_main_on<F, Fut, E>(name: &str, listen: Listen, serve: F) -> ExitCode
+where
+    F: FnOnce(TcpListener, Shutdown) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: Display,
+{
+    let listener = match listen.open() {
         Ok(l) => l,
         Err(e) => {
             eprintln!("error: cannot listen on {listen}: {e}");

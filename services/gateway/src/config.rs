@@ -12,6 +12,13 @@ pub struct Config {
     /// HTTP listen address of the OpenAI API (also serves /health).
     #[arg(long, env = "PDMESH_GATEWAY_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// Serve on a listening socket inherited as this file descriptor
+    /// instead of binding --listen (`meshctl up` holds the gateway's port
+    /// and hands it to each gateway process, so a restarted gateway takes
+    /// over the same socket while the old one drains: no connection is
+    /// refused or reset).
+    #[arg(long, env = "PDMESH_GATEWAY_LISTEN_FD")]
+    pub listen_fd: Option<i32>,
     /// Router address(es); default: found in the registry.
     #[arg(long, env = "PDMESH_ROUTER_ADDR", value_delimiter = ',')]
     pub router_addr: Vec<String>,

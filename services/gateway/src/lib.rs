@@ -657,12 +657,25 @@ pub async fn serve(
                 }
                 _ = &mut shutdown => {}
             }
-            admin.drain(&mut a, None, &config.common, || g.in_flight.load(Ordering::Relaxed) as usize).await;
+            // Out of discovery, then stop accepting: with a socket shared
+            // by a supervisor, waiting connections go to the new gateway.
+            admin.leave(&mut a, None, &config.common).await;
             a
         }
     };
     let _ = stop.send(());
-    let r = tokio::time::timeout(pdmesh_core::serve::CLOSE_GRACE, &mut server).await.unwrap_or(Ok(()));
+    let limit = Duration::from_secs(config.common.drain.drain_timeout_s);
+    let r = match tokio::time::timeout(limit, &mut server).await {
+        Ok(r) => {
+            eprintln!("pdmesh-gateway: drained");
+            r
+        }
+        Err(_) => {
+            let n = g.in_flight.load(Ordering::Relaxed);
+            eprintln!("pdmesh-gateway: drain deadline passed with {n} request(s) in flight; cutting them");
+            Ok(())
+        }
+    };
     admin.shut_down(announced).await?;
     r?;
     Ok(())

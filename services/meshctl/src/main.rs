@@ -4,6 +4,8 @@
 //!   gateway as child processes on loopback, each gated on the previous
 //!   one's health; supervise them (a child that dies is restarted alone);
 //!   Ctrl-C or SIGTERM drains and stops them all.
+//! - `meshctl scale KIND=N ...`, `meshctl drain ID`, `meshctl restart
+//!   KIND... | --all`: change a running `meshctl up` (its control endpoint).
 //! - `meshctl status [--json]`: every instance in the registry with its
 //!   addresses, health and load.
 //! - `meshctl generate "text"`: one request through the router, streamed.
@@ -14,8 +16,10 @@
 //! `meshctl` does not link the engine: it fetches the model through
 //! `pdmesh-model`; the benchmarks live in `pdmesh-bench`.
 
+mod control;
 mod generate;
 mod inspect;
+mod process;
 mod status;
 mod up;
 
@@ -42,6 +46,12 @@ enum Cmd {
     Explain(inspect::ExplainArgs),
     /// Send one small request and report its latency beside the load it met.
     Probe(inspect::ProbeArgs),
+    /// Change how many instances of a kind run: `meshctl scale prefill=2 decode=3`.
+    Scale(control::ScaleArgs),
+    /// Drain one instance (it finishes its work, leaves and is not restarted).
+    Drain(control::DrainArgs),
+    /// Rolling restart: per instance, a new one first, then the old one drained.
+    Restart(control::RestartArgs),
     /// Receive OTLP/gRPC spans and append them to an OTLP/JSON-lines file (when there is no Jaeger).
     Collect(inspect::CollectArgs),
 }
@@ -56,6 +66,9 @@ async fn main() -> ExitCode {
         Cmd::Explain(a) => inspect::explain_cmd(a).await,
         Cmd::Probe(a) => inspect::probe_cmd(a).await,
         Cmd::Collect(a) => inspect::collect_cmd(a).await,
+        Cmd::Scale(a) => control::scale_cmd(a).await,
+        Cmd::Drain(a) => control::drain_cmd(a).await,
+        Cmd::Restart(a) => control::restart_cmd(a).await,
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,10 +1,11 @@
 //! `meshctl up`: the whole mesh on this machine, supervised.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pdmesh_core::discovery::Locator;
-use tokio::process::{Child, Command};
+
+use crate::process::{free_addr, write_prometheus_sd, Svc};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -112,172 +113,6 @@ pub struct Args {
     pub trace_kernel_steps: String,
 }
 
-struct Svc {
-    name: String,
-    bin: PathBuf,
-    args: Vec<String>,
-    http: String,
-    log: PathBuf,
-    child: Option<Child>,
-    restarts: u32,
-    /// Whether meshctl picked the gRPC port (not the gateway's --gateway-addr).
-    own_listen: bool,
-    /// The process's nice value (prefill workers: `--prefill-nice`).
-    nice: i32,
-    /// CPUs the process may run on (`--prefill-cpus`, `--decode-cpus`); empty: any.
-    cpus: Vec<usize>,
-}
-
-/// Write every service's /metrics address as a Prometheus file_sd list.
-fn write_prometheus_sd(f: &Path, svcs: &[Svc]) -> Result<(), String> {
-    let targets: Vec<serde_json::Value> = svcs
-        .iter()
-        .map(|s| {
-            let service = s.name.rsplit_once('-').map_or(s.name.as_str(), |(n, _)| n);
-            serde_json::json!({ "targets": [s.http], "labels": { "service": format!("pdmesh-{service}"), "instance_id": s.name } })
-        })
-        .collect();
-    let tmp = f.with_extension("tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(&targets).unwrap_or_default())
-        .and_then(|_| std::fs::rename(&tmp, f))
-        .map_err(|e| format!("cannot write --prometheus-sd {}: {e}", f.display()))
-}
-
-fn free_addr() -> Result<String, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
-    Ok(l.local_addr().map_err(|e| e.to_string())?.to_string())
-}
-
-fn log_tail(p: &Path) -> String {
-    let s = std::fs::read_to_string(p).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
-}
-
-impl Svc {
-    /// The ports meshctl picks are free when picked, but another process
-    /// may take one before the service binds it: then it gets new ones.
-    fn port_was_taken(&self) -> bool {
-        log_tail(&self.log).lines().last().is_some_and(|l| l.contains("Address already in use"))
-    }
-
-    fn new_ports(&mut self) -> Result<(), String> {
-        for i in 0..self.args.len().saturating_sub(1) {
-            match self.args[i].as_str() {
-                "--listen" if self.own_listen => self.args[i + 1] = free_addr()?,
-                "--http-listen" => {
-                    self.http = free_addr()?;
-                    self.args[i + 1] = self.http.clone();
-                }
-                _ => {}
-            }
-        }
-        eprintln!("meshctl: {}: a port was taken meanwhile; retrying on new ports (http {})", self.name, self.http);
-        Ok(())
-    }
-
-    fn spawn(&mut self) -> Result<(), String> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(|e| format!("{}: {e}", self.log.display()))?;
-        let err = log.try_clone().map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(&self.bin);
-        cmd.args(&self.args).stdout(log).stderr(err).stdin(std::process::Stdio::null()).kill_on_drop(true);
-        if self.nice != 0 || !self.cpus.is_empty() {
-            let nice = self.nice;
-            // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes
-            // within it (the CPUs were checked against CPU_SETSIZE).
-            let set = unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                for c in &self.cpus {
-                    libc::CPU_SET(*c, &mut set);
-                }
-                set
-            };
-            let pin = !self.cpus.is_empty();
-            // SAFETY: setpriority(2) and sched_setaffinity(2) are plain
-            // system calls; they run in the forked child before exec and
-            // touch no shared state.
-            unsafe {
-                cmd.pre_exec(move || {
-                    if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    if pin && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
-        let child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.bin.display()))?;
-        self.child = Some(child);
-        Ok(())
-    }
-
-    /// Wait for /health 200; an exit or the timeout is an error with the log's tail.
-    async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
-        let t0 = Instant::now();
-        loop {
-            if let Some(c) = self.child.as_mut() {
-                if let Ok(Some(st)) = c.try_wait() {
-                    return Err(format!(
-                        "{} exited ({st}) before becoming healthy; last lines of {}:\n{}",
-                        self.name,
-                        self.log.display(),
-                        log_tail(&self.log)
-                    ));
-                }
-            }
-            let h = self.http.clone();
-            let ok = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/health", Duration::from_secs(2)))
-                .await
-                .ok()
-                .and_then(Result::ok);
-            if matches!(ok, Some((200, _))) {
-                return Ok(());
-            }
-            if t0.elapsed() > timeout {
-                return Err(format!(
-                    "{} not healthy after {} s; last lines of {}:\n{}",
-                    self.name,
-                    timeout.as_secs(),
-                    self.log.display(),
-                    log_tail(&self.log)
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    /// SIGTERM: the service drains and exits.
-    fn terminate(&self) {
-        if let Some(pid) = self.child.as_ref().and_then(Child::id) {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGTERM);
-            }
-        }
-    }
-
-    /// Wait up to `grace` for a terminated service to exit, then SIGKILL it.
-    async fn reap(&mut self, grace: Duration) {
-        let Some(mut c) = self.child.take() else { return };
-        if tokio::time::timeout(grace, c.wait()).await.is_err() {
-            eprintln!("meshctl: {} did not exit within {} s of SIGTERM; killing it", self.name, grace.as_secs());
-            let _ = c.kill().await;
-        }
-    }
-
-    /// SIGTERM, then SIGKILL after `grace`.
-    async fn stop(&mut self, grace: Duration) {
-        self.terminate();
-        self.reap(grace).await;
-    }
-}
-
 fn bin_dir(a: &Args) -> Result<PathBuf, String> {
     match &a.bin_dir {
         Some(d) => Ok(d.clone()),
@@ -380,6 +215,8 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
             }
             args
         }
+        // The socket meshctl holds (see `Ctx::gateway_socket`).
+        "gateway" => vec!["--listen-fd".into(), crate::process::INHERITED_FD.to_string()],
         "router" => vec![
             "--policy".into(),
             a.router_policy.clone(),
@@ -415,62 +252,107 @@ fn cpu_list(flag: &str, list: Option<&str>) -> Result<Vec<usize>, String> {
     Ok(cpus)
 }
 
-/// Every process of the mesh, in start order.
-fn plan(a: &Args, locator: &Locator, bin_dir: &Path, log_dir: &Path, model: &str) -> Result<Vec<Svc>, String> {
+/// Everything a process of the mesh is started from.
+pub struct Ctx {
+    pub a: Args,
+    pub locator: Locator,
+    bin_dir: PathBuf,
+    log_dir: PathBuf,
+    model: String,
+    prefill_cpus: Vec<usize>,
+    decode_cpus: Vec<usize>,
+    /// The gateway's listening socket: meshctl binds it once and hands it to
+    /// every gateway process, so during a restart the new one accepts from
+    /// the same queue the old one stops taking from (no refused or reset
+    /// connections), and while none runs, clients wait in the queue.
+    gateway_socket: std::net::TcpListener,
+}
+
+impl Ctx {
+    /// Instance `index` of `kind`, not started yet.
+    pub fn svc(&self, kind: &str, index: usize) -> Result<Svc, String> {
+        let a = &self.a;
+        let id = format!("{kind}-{index}");
+        let listen = if kind == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
+        let http = free_addr()?;
+        let mut args = common_args(a, &self.locator, &id, listen, &http);
+        args.extend(service_args(a, kind, &self.model));
+        let cpus = match kind {
+            "prefill" => self.prefill_cpus.clone(),
+            "decode" => self.decode_cpus.clone(),
+            _ => Vec::new(),
+        };
+        // Pinned workers with no --threads get one kernel thread per CPU of theirs.
+        if a.threads == 0 && !cpus.is_empty() {
+            if let Some(i) = args.iter().position(|x| x == "--threads") {
+                args[i + 1] = cpus.len().to_string();
+            }
+        }
+        Ok(Svc {
+            kind: kind.to_string(),
+            index,
+            draining: false,
+            name: id.clone(),
+            bin: self.bin_dir.join(format!("pdmesh-{kind}")),
+            args,
+            http,
+            log: self.log_dir.join(format!("{id}.log")),
+            child: None,
+            restarts: 0,
+            own_listen: kind != "gateway",
+            pass_fd: (kind == "gateway").then(|| std::os::fd::AsRawFd::as_raw_fd(&self.gateway_socket)),
+            nice: if kind == "prefill" { a.prefill_nice } else { 0 },
+            cpus,
+        })
+    }
+
+    /// Every process of the mesh, in start order.
+    fn plan(&self) -> Result<Vec<Svc>, String> {
+        let mut svcs = Vec::new();
+        for kind in crate::status::SERVICES {
+            let replicas = match kind {
+                "prefill" => self.a.prefill_replicas,
+                "decode" => self.a.decode_replicas,
+                _ => 1,
+            };
+            if replicas == 0 || replicas > crate::control::MAX_REPLICAS {
+                return Err(format!("--{kind}-replicas must be 1..={}", crate::control::MAX_REPLICAS));
+            }
+            for r in 0..replicas {
+                svcs.push(self.svc(kind, r)?);
+            }
+        }
+        Ok(svcs)
+    }
+
+    /// Write the Prometheus target list, if asked for.
+    pub fn write_targets(&self, svcs: &[Svc]) {
+        if let Some(Err(e)) = self.a.prometheus_sd.as_ref().map(|f| write_prometheus_sd(f, svcs)) {
+            eprintln!("meshctl: {e}");
+        }
+    }
+}
+
+async fn context(a: Args) -> Result<Ctx, String> {
     if !(0..=19).contains(&a.prefill_nice) {
         return Err(format!("--prefill-nice must be 0..=19, got {}", a.prefill_nice));
     }
     let prefill_cpus = cpu_list("--prefill-cpus", a.prefill_cpus.as_deref())?;
     let decode_cpus = cpu_list("--decode-cpus", a.decode_cpus.as_deref())?;
-    let mut svcs = Vec::new();
-    for name in crate::status::SERVICES {
-        let replicas = match name {
-            "prefill" => a.prefill_replicas,
-            "decode" => a.decode_replicas,
-            _ => 1,
-        };
-        if replicas == 0 || replicas > 64 {
-            return Err(format!("--{name}-replicas must be 1..=64"));
-        }
-        for r in 0..replicas {
-            let id = format!("{name}-{r}");
-            let listen = if name == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
-            let http = free_addr()?;
-            let mut args = common_args(a, locator, &id, listen, &http);
-            args.extend(service_args(a, name, model));
-            let cpus = match name {
-                "prefill" => prefill_cpus.clone(),
-                "decode" => decode_cpus.clone(),
-                _ => Vec::new(),
-            };
-            // Pinned workers with no --threads get one kernel thread per CPU of theirs.
-            if a.threads == 0 && !cpus.is_empty() {
-                if let Some(i) = args.iter().position(|x| x == "--threads") {
-                    args[i + 1] = cpus.len().to_string();
-                }
-            }
-            svcs.push(Svc {
-                name: id.clone(),
-                bin: bin_dir.join(format!("pdmesh-{name}")),
-                args,
-                http,
-                log: log_dir.join(format!("{id}.log")),
-                child: None,
-                restarts: 0,
-                own_listen: name != "gateway",
-                nice: if name == "prefill" { a.prefill_nice } else { 0 },
-                cpus,
-            });
-        }
-    }
-    Ok(svcs)
+    let bin_dir = bin_dir(&a)?;
+    let locator = a.discovery.locator_or_default();
+    let log_dir = folders(&a, &locator).await?;
+    let gateway_socket = std::net::TcpListener::bind(&a.gateway_addr)
+        .map_err(|e| format!("cannot listen on --gateway-addr {}: {e}", a.gateway_addr))?;
+    let model = model_path(&a).await?;
+    Ok(Ctx { a, locator, bin_dir, log_dir, model, prefill_cpus, decode_cpus, gateway_socket })
 }
 
 /// Stop the mesh: the gateway drains first (its requests finish while
 /// everything behind it still serves), then the rest drain together (with
 /// no new requests coming in, each waits only for its own in-flight work).
 async fn stop_all(svcs: &mut [Svc], grace: Duration) {
-    for s in svcs.iter_mut().filter(|s| s.name.starts_with("gateway")) {
+    for s in svcs.iter_mut().filter(|s| s.kind == "gateway") {
         s.stop(grace).await;
     }
     for s in svcs.iter() {
@@ -481,41 +363,52 @@ async fn stop_all(svcs: &mut [Svc], grace: Duration) {
     }
 }
 
-/// Start in order, each gated on the previous one's health; a service
-/// whose port was taken before it bound gets new ports (up to 4 tries).
+/// Start `s` and wait for its health; a service whose port was taken
+/// before it bound gets new ports (up to 4 tries).
+pub async fn start_one(s: &mut Svc, timeout: Duration) -> Result<(), String> {
+    let mut tries = 0;
+    loop {
+        s.spawn()?;
+        let r = s.wait_healthy(timeout).await;
+        tries += 1;
+        if r.is_err() && tries < 4 && s.port_was_taken() {
+            s.new_ports()?;
+            continue;
+        }
+        r?;
+        eprintln!("meshctl: {:<9} healthy (http {}, log {})", s.name, s.http, s.log.display());
+        return Ok(());
+    }
+}
+
+/// Start in order, each gated on the previous one's health.
 async fn start_all(
     svcs: &mut [Svc],
     timeout: Duration,
     stop: &mut (impl std::future::Future<Output = ()> + Unpin),
 ) -> Result<(), String> {
     for s in svcs.iter_mut() {
-        let mut tries = 0;
-        loop {
-            s.spawn()?;
-            let r = tokio::select! {
-                r = s.wait_healthy(timeout) => r,
-                _ = &mut *stop => Err("interrupted".into()),
-            };
-            tries += 1;
-            if r.is_err() && tries < 4 && s.port_was_taken() {
-                s.new_ports()?;
-                continue;
-            }
-            r?;
-            break;
+        tokio::select! {
+            r = start_one(s, timeout) => r?,
+            _ = &mut *stop => return Err("interrupted".into()),
         }
-        eprintln!("meshctl: {:<9} healthy (http {}, log {})", s.name, s.http, s.log.display());
     }
     Ok(())
 }
 
-/// Restart each service that exited (unless `--no-restart`); whether the
-/// Prometheus target list needs rewriting (a service got new ports).
-fn restart_exited(a: &Args, svcs: &mut [Svc]) -> bool {
+/// Restart each service that exited (unless `--no-restart`; a drained one
+/// is forgotten instead); whether the Prometheus target list needs
+/// rewriting (a service got new ports, or one left).
+pub fn restart_exited(a: &Args, svcs: &mut Vec<Svc>) -> bool {
     let mut moved = false;
     for s in svcs.iter_mut() {
         let Some(st) = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) else { continue };
         s.child = None;
+        if s.draining {
+            eprintln!("meshctl: {} drained and exited ({st})", s.name);
+            moved = true;
+            continue;
+        }
         if a.no_restart {
             eprintln!("meshctl: {} exited ({st}); not restarting (--no-restart)", s.name);
             continue;
@@ -532,40 +425,33 @@ fn restart_exited(a: &Args, svcs: &mut [Svc]) -> bool {
             eprintln!("meshctl: {e}");
         }
     }
+    svcs.retain(|s| !(s.draining && s.child.is_none()));
     moved
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let bin_dir = bin_dir(&a)?;
-    let locator = a.discovery.locator_or_default();
-    let log_dir = folders(&a, &locator).await?;
-    let model = model_path(&a).await?;
-    let mut svcs = plan(&a, &locator, &bin_dir, &log_dir, &model)?;
+    let ctx = context(a).await?;
+    let mut svcs = ctx.plan()?;
     let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());
-    let started = start_all(&mut svcs, Duration::from_secs(a.ready_timeout_s), &mut stop).await;
-    let started = started.and_then(|_| a.prometheus_sd.as_ref().map_or(Ok(()), |f| write_prometheus_sd(f, &svcs)));
+    let started = start_all(&mut svcs, Duration::from_secs(ctx.a.ready_timeout_s), &mut stop).await;
+    let started = started.and_then(|_| ctx.a.prometheus_sd.as_ref().map_or(Ok(()), |f| write_prometheus_sd(f, &svcs)));
     if let Err(e) = started {
         stop_all(&mut svcs, Duration::from_secs(5)).await;
         return Err(e);
     }
-    if let Some(f) = &a.prometheus_sd {
+    if let Some(f) = &ctx.a.prometheus_sd {
         eprintln!("meshctl: Prometheus targets in {}", f.display());
     }
-    println!("pdmesh is up: http://{}/v1 (discovery {locator}); Ctrl-C stops it", a.gateway_addr);
-    // Supervise until a signal.
-    loop {
-        tokio::select! {
-            _ = &mut stop => break,
-            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
-        }
-        if restart_exited(&a, &mut svcs) {
-            if let Some(Err(e)) = a.prometheus_sd.as_ref().map(|f| write_prometheus_sd(f, &svcs)) {
-                eprintln!("meshctl: {e}");
-            }
-        }
+    let mut mesh = crate::control::Mesh::new(ctx, svcs);
+    let control = mesh.open_control().await;
+    if let Err(e) = &control {
+        eprintln!("meshctl: no control endpoint ({e}); scale, drain and restart are unavailable");
     }
+    println!("pdmesh is up: http://{}/v1 (discovery {}); Ctrl-C stops it", mesh.ctx.a.gateway_addr, mesh.ctx.locator);
+    mesh.supervise(control.ok(), &mut stop).await;
     eprintln!("meshctl: stopping (gateway first)");
-    stop_all(&mut svcs, a.drain.grace()).await;
+    let grace = mesh.ctx.a.drain.grace();
+    stop_all(&mut mesh.svcs, grace).await;
     Ok(())
 }
 

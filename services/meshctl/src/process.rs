@@ -1,0 +1,202 @@
+//! One process of the mesh under `meshctl up`: how it is started (nice,
+//! CPU pinning, new ports when one was taken), waited on, and stopped.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tokio::process::{Child, Command};
+
+/// The file descriptor a child inherits its listening socket as.
+pub const INHERITED_FD: i32 = 3;
+
+pub struct Svc {
+    /// Service kind (`decode`) and its index (`decode-1` is index 1).
+    pub kind: String,
+    pub index: usize,
+    /// Asked to drain (`meshctl drain`, scale-down, rolling restart): not
+    /// restarted when it exits, and then forgotten.
+    pub draining: bool,
+    pub name: String,
+    pub bin: PathBuf,
+    pub args: Vec<String>,
+    pub http: String,
+    pub log: PathBuf,
+    pub child: Option<Child>,
+    pub restarts: u32,
+    /// Whether meshctl picked the gRPC port (not the gateway's --gateway-addr).
+    pub own_listen: bool,
+    /// The process's nice value (prefill workers: `--prefill-nice`).
+    pub nice: i32,
+    /// A listening socket the process inherits as [`INHERITED_FD`] (the gateway's).
+    pub pass_fd: Option<i32>,
+    /// CPUs the process may run on (`--prefill-cpus`, `--decode-cpus`); empty: any.
+    pub cpus: Vec<usize>,
+}
+
+/// Write every service's /metrics address as a Prometheus file_sd list.
+pub fn write_prometheus_sd(f: &Path, svcs: &[Svc]) -> Result<(), String> {
+    let targets: Vec<serde_json::Value> = svcs
+        .iter()
+        .map(|s| {
+            let service = s.name.rsplit_once('-').map_or(s.name.as_str(), |(n, _)| n);
+            serde_json::json!({ "targets": [s.http], "labels": { "service": format!("pdmesh-{service}"), "instance_id": s.name } })
+        })
+        .collect();
+    let tmp = f.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&targets).unwrap_or_default())
+        .and_then(|_| std::fs::rename(&tmp, f))
+        .map_err(|e| format!("cannot write --prometheus-sd {}: {e}", f.display()))
+}
+
+pub fn free_addr() -> Result<String, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
+    Ok(l.local_addr().map_err(|e| e.to_string())?.to_string())
+}
+
+fn log_tail(p: &Path) -> String {
+    let s = std::fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+impl Svc {
+    /// The ports meshctl picks are free when picked, but another process
+    /// may take one before the service binds it: then it gets new ones.
+    pub fn port_was_taken(&self) -> bool {
+        log_tail(&self.log).lines().last().is_some_and(|l| l.contains("Address already in use"))
+    }
+
+    pub fn new_ports(&mut self) -> Result<(), String> {
+        for i in 0..self.args.len().saturating_sub(1) {
+            match self.args[i].as_str() {
+                "--listen" if self.own_listen => self.args[i + 1] = free_addr()?,
+                "--http-listen" => {
+                    self.http = free_addr()?;
+                    self.args[i + 1] = self.http.clone();
+                }
+                _ => {}
+            }
+        }
+        eprintln!("meshctl: {}: a port was taken meanwhile; retrying on new ports (http {})", self.name, self.http);
+        Ok(())
+    }
+
+    pub fn spawn(&mut self) -> Result<(), String> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|e| format!("{}: {e}", self.log.display()))?;
+        let err = log.try_clone().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(&self.args).stdout(log).stderr(err).stdin(std::process::Stdio::null()).kill_on_drop(true);
+        if self.nice != 0 || !self.cpus.is_empty() {
+            let nice = self.nice;
+            // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes
+            // within it (the CPUs were checked against CPU_SETSIZE).
+            let set = unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                for c in &self.cpus {
+                    libc::CPU_SET(*c, &mut set);
+                }
+                set
+            };
+            let pin = !self.cpus.is_empty();
+            // SAFETY: setpriority(2) and sched_setaffinity(2) are plain
+            // system calls; they run in the forked child before exec and
+            // touch no shared state.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if pin && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        if let Some(fd) = self.pass_fd {
+            // SAFETY: dup2(2) and fcntl(2) are plain system calls run in the
+            // forked child before exec; dup2 gives a copy without
+            // close-on-exec (fcntl clears it when the socket is already there).
+            unsafe {
+                cmd.pre_exec(move || {
+                    let r = if fd == INHERITED_FD {
+                        libc::fcntl(fd, libc::F_SETFD, 0)
+                    } else {
+                        libc::dup2(fd, INHERITED_FD)
+                    };
+                    if r < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.bin.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Wait for /health 200; an exit or the timeout is an error with the log's tail.
+    pub async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    return Err(format!(
+                        "{} exited ({st}) before becoming healthy; last lines of {}:\n{}",
+                        self.name,
+                        self.log.display(),
+                        log_tail(&self.log)
+                    ));
+                }
+            }
+            let h = self.http.clone();
+            let ok = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/health", Duration::from_secs(2)))
+                .await
+                .ok()
+                .and_then(Result::ok);
+            if matches!(ok, Some((200, _))) {
+                return Ok(());
+            }
+            if t0.elapsed() > timeout {
+                return Err(format!(
+                    "{} not healthy after {} s; last lines of {}:\n{}",
+                    self.name,
+                    timeout.as_secs(),
+                    self.log.display(),
+                    log_tail(&self.log)
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGTERM: the service drains and exits.
+    pub fn terminate(&self) {
+        if let Some(pid) = self.child.as_ref().and_then(Child::id) {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGTERM);
+            }
+        }
+    }
+
+    /// Wait up to `grace` for a terminated service to exit, then SIGKILL it.
+    pub async fn reap(&mut self, grace: Duration) {
+        let Some(mut c) = self.child.take() else { return };
+        if tokio::time::timeout(grace, c.wait()).await.is_err() {
+            eprintln!("meshctl: {} did not exit within {} s of SIGTERM; killing it", self.name, grace.as_secs());
+            let _ = c.kill().await;
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    pub async fn stop(&mut self, grace: Duration) {
+        self.terminate();
+        self.reap(grace).await;
+    }
+}
