@@ -103,3 +103,57 @@ async fn at_the_drain_deadline_what_is_left_ends_with_a_retriable_error() {
     assert_eq!(e.code(), tonic::Code::Unavailable, "retriable: {e:?}");
     assert!(t0.elapsed() < Duration::from_secs(10), "notice 1 s + deadline 1 s + close: {:?}", t0.elapsed());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prefill_drained_with_transfers_pending_loses_none() {
+    let mesh = tokio::task::block_in_place(|| {
+        Mesh::up(&["--prefill-replicas", "2", "--threads", "1", "--no-restart", "--enable-fault-injection"])
+    });
+    // Every transfer waits 1.5 s before it is written: they are pending when the drain starts.
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 1500).await;
+    let victim = mesh.registry().healthy("prefill").await.unwrap().remove(0);
+    let pid = pid_of(&victim);
+    let router = mesh.router().await;
+    let mut reqs = Vec::new();
+    for i in 0..6 {
+        let mut r = router.clone();
+        reqs.push(tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                run(&mut r, chat_request(&format!("Name a colour, {i}"), 8, true)),
+            )
+            .await
+        }));
+    }
+    // Wait until the victim holds a transfer, then drain it.
+    let t0 = Instant::now();
+    loop {
+        let m = mesh.metrics_all("prefill").await;
+        let held = m.iter().find(|(i, _)| *i == victim.id).and_then(|(_, t)| {
+            let running = pdmesh_core::http::metric(t, "pdmesh_prefill_running").unwrap_or(0.0);
+            let queued = pdmesh_core::http::metric(t, "pdmesh_prefill_queued").unwrap_or(0.0);
+            Some(running + queued)
+        });
+        if held.unwrap_or(0.0) >= 1.0 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{} never held a prompt", victim.id);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sigterm(pid);
+    for (i, q) in reqs.into_iter().enumerate() {
+        let out =
+            q.await.unwrap().expect("ends within its deadline").unwrap_or_else(|e| panic!("request {i} failed: {e}"));
+        assert_eq!(out.ids.len(), 8, "request {i}");
+    }
+    while alive(pid) {
+        assert!(t0.elapsed() < Duration::from_secs(40), "the drained prefill never exited");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = std::fs::read_to_string(mesh.dir.join("logs").join(format!("{}.log", victim.id))).unwrap();
+    assert!(log.contains("drained in"), "the prefill says it drained clean:\n{log}");
+    eprintln!("{}", log.lines().filter(|l| l.contains("drain")).collect::<Vec<_>>().join("\n"));
+    assert_eq!(mesh.gauge("router", "pdmesh_router_prefill_retries_total").await, 0.0, "nothing needed a retry");
+    mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
+    mesh.assert_released(Duration::from_secs(10)).await;
+}
