@@ -4,9 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # libclang, the NIXL wheel (the tests expect NIXL to load), the official
-# OpenAI client (the gateway's client test) and Prometheus (it scrapes a
-# mesh in a test), if missing.
-bash scripts/deps.sh --apt prometheus openai==3.57.0
+# OpenAI client (the gateway's client test), Prometheus (it scrapes a mesh
+# in a test) and kubernetes-validate (infra/k8s checked offline), if missing.
+bash scripts/deps.sh --apt prometheus openai==3.57.0 kubernetes-validate==1.37.0
 cargo build --release --workspace --all-targets
 ./target/release/pdmesh-engine fetch
 log=$(mktemp)
