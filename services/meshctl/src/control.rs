@@ -148,7 +148,7 @@ impl Mesh {
         let mut v = match op {
             Op::Scale { replicas } => self.scale(&replicas).await?,
             Op::Drain { id } => {
-                self.drain(&[id.clone()]).await?;
+                self.drain(std::slice::from_ref(&id)).await?;
                 json!({ "drained": [id] })
             }
             Op::Restart { kinds } => self.restart(&kinds).await?,

@@ -129,10 +129,10 @@ async fn a_prefill_drained_with_transfers_pending_loses_none() {
     let t0 = Instant::now();
     loop {
         let m = mesh.metrics_all("prefill").await;
-        let held = m.iter().find(|(i, _)| *i == victim.id).and_then(|(_, t)| {
+        let held = m.iter().find(|(i, _)| *i == victim.id).map(|(_, t)| {
             let running = pdmesh_core::http::metric(t, "pdmesh_prefill_running").unwrap_or(0.0);
             let queued = pdmesh_core::http::metric(t, "pdmesh_prefill_queued").unwrap_or(0.0);
-            Some(running + queued)
+            running + queued
         });
         if held.unwrap_or(0.0) >= 1.0 {
             break;
