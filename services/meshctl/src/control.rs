@@ -166,7 +166,17 @@ impl Mesh {
     async fn add(&mut self, kind: &str) -> Result<String, String> {
         let index = self.svcs.iter().filter(|s| s.kind == kind).map(|s| s.index + 1).max().unwrap_or(0);
         let mut s = self.ctx.svc(kind, index)?;
-        let r = start_one(&mut s, Duration::from_secs(self.ctx.a.ready_timeout_s)).await;
+        let r = {
+            let start = start_one(&mut s, Duration::from_secs(self.ctx.a.ready_timeout_s));
+            tokio::pin!(start);
+            // Keep supervising the others while the new one comes up.
+            loop {
+                tokio::select! {
+                    r = &mut start => break r,
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => self.tick(),
+                }
+            }
+        };
         let name = s.name.clone();
         if let Err(e) = r {
             s.stop(Duration::from_secs(5)).await;
