@@ -148,6 +148,13 @@ impl Mesh {
         let mut v = match op {
             Op::Scale { replicas } => self.scale(&replicas).await?,
             Op::Drain { id } => {
+                let kind = self.svcs.iter().find(|s| s.name == id && !s.draining).map(|s| s.kind.clone());
+                let kind = kind.ok_or_else(|| format!("no live instance {id:?} under this meshctl"))?;
+                if self.live(&kind).len() == 1 {
+                    return Err(format!(
+                        "{id} is the last {kind}: draining it would stop the mesh serving; scale {kind} up first, or use `meshctl restart {kind}` to replace it"
+                    ));
+                }
                 self.drain(std::slice::from_ref(&id)).await?;
                 json!({ "drained": [id] })
             }

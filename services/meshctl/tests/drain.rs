@@ -39,7 +39,17 @@ async fn running_on(mesh: &Mesh, id: &str, n: f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decode_drained_with_running_sequences_finishes_them_and_leaves() {
     let mesh = tokio::task::block_in_place(|| {
-        Mesh::up(&["--decode-replicas", "2", "--threads", "1", "--no-restart", "--router-policy", "least-busy"])
+        Mesh::up(&[
+            "--decode-replicas",
+            "2",
+            "--threads",
+            "1",
+            "--no-restart",
+            "--router-policy",
+            "least-busy",
+            "--drain-notice-ms",
+            "1000",
+        ])
     });
     let victim = mesh.registry().healthy("decode").await.unwrap().remove(0);
     let pid = pid_of(&victim);
@@ -86,7 +96,9 @@ async fn a_decode_drained_with_running_sequences_finishes_them_and_leaves() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn at_the_drain_deadline_what_is_left_ends_with_a_retriable_error() {
-    let mesh = tokio::task::block_in_place(|| Mesh::up(&["--threads", "1", "--no-restart", "--drain-timeout-s", "1"]));
+    let mesh = tokio::task::block_in_place(|| {
+        Mesh::up(&["--threads", "1", "--no-restart", "--drain-timeout-s", "1", "--drain-notice-ms", "1000"])
+    });
     let decode = mesh.instance("decode").await;
     let pid = pid_of(&decode);
     let mut r = mesh.router().await;
@@ -107,7 +119,16 @@ async fn at_the_drain_deadline_what_is_left_ends_with_a_retriable_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_prefill_drained_with_transfers_pending_loses_none() {
     let mesh = tokio::task::block_in_place(|| {
-        Mesh::up(&["--prefill-replicas", "2", "--threads", "1", "--no-restart", "--enable-fault-injection"])
+        Mesh::up(&[
+            "--prefill-replicas",
+            "2",
+            "--threads",
+            "1",
+            "--no-restart",
+            "--enable-fault-injection",
+            "--drain-notice-ms",
+            "1000",
+        ])
     });
     // Every transfer waits 1.5 s before it is written: they are pending when the drain starts.
     mesh.fault("prefill", "prefill.transfer_delay_ms", 1500).await;

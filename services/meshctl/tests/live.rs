@@ -3,7 +3,9 @@
 //! serves a closed loop of 16 `pdmesh-loadtest` clients while `meshctl
 //! scale` takes decode 1 → 2 → 1 and prefill 1 → 2 → 1, and `meshctl
 //! restart --all` replaces every prefill, decode, tokenizer, router and
-//! gateway process. No request may fail or stall.
+//! gateway process. No request may fail or stall. Then a decode is killed
+//! with SIGKILL under the same load: the agent's check drops it, and only
+//! the requests it was serving fail, each with a clean error.
 
 mod common;
 
@@ -25,6 +27,50 @@ fn meshctl(args: &[&str], discovery: &str) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("meshctl {args:?}: not JSON ({e})"))
 }
 
+/// `meshctl ARGS --discovery URL`, which must fail: its stderr.
+fn meshctl_refused(args: &[&str], discovery: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_meshctl")).args(args).args(["--discovery", discovery]).output().unwrap();
+    assert!(!out.status.success(), "meshctl {args:?} should have been refused");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A closed loop of 16 `pdmesh-loadtest` clients on `gateway`, reporting to `report`.
+fn start_load(gateway: &str, report: &Path) -> std::process::Child {
+    let loadtest = Path::new(env!("CARGO_BIN_EXE_meshctl")).with_file_name("pdmesh-loadtest");
+    Command::new(&loadtest)
+        .args(["--target", gateway, "--mode", "closed", "--concurrency", "16", "--requests", "100000"])
+        .args(["--max-tokens", "16", "--stall-s", "60", "--timeout-s", "120", "--out"])
+        .arg(report)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", loadtest.display()))
+}
+
+/// Stop the load (SIGINT: it finishes what is in flight) and read its report's records.
+fn stop_load(mut load: std::process::Child, report: &Path) -> (serde_json::Value, Vec<serde_json::Value>) {
+    // SAFETY: kill(2) on the load generator this test started.
+    unsafe {
+        libc::kill(load.id() as libc::pid_t, libc::SIGINT);
+    }
+    let status = load.wait().unwrap();
+    assert!(status.success(), "pdmesh-loadtest exited with {status}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let records = r["runs"][0]["records"].as_array().cloned().unwrap_or_default();
+    (r["points"][0].clone(), records)
+}
+
+/// Wait until the gateway has answered `n` more requests ok.
+async fn flowing(mesh: &Mesh, n: f64) {
+    let ok = "pdmesh_gateway_requests_total{outcome=\"ok\"}";
+    let start = mesh.gauge("gateway", ok).await;
+    let t0 = Instant::now();
+    while mesh.gauge("gateway", ok).await < start + n {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no load reached the gateway");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Registered instance ids of `pdmesh-<kind>` at the agent.
 fn registered(fake: &FakeConsul, kind: &str) -> Vec<String> {
     let name = format!("pdmesh-{kind}");
@@ -32,28 +78,31 @@ fn registered(fake: &FakeConsul, kind: &str) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn scaling_and_a_rolling_restart_under_load_fail_no_request() {
+async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fails_only_its_own() {
     let fake = FakeConsul::start_new(None).await;
     let url = fake.url();
     let mesh = tokio::task::block_in_place(|| {
-        Mesh::up(&["--discovery", &url, "--threads", "1", "--consul-check-interval-ms", "500"])
+        Mesh::up(&[
+            "--discovery",
+            &url,
+            "--threads",
+            "1",
+            "--consul-check-interval-ms",
+            "500",
+            "--drain-notice-ms",
+            "1000",
+        ])
     });
     let report = mesh.dir.join("load.json");
-    let loadtest = Path::new(env!("CARGO_BIN_EXE_meshctl")).with_file_name("pdmesh-loadtest");
-    let mut load = Command::new(&loadtest)
-        .args(["--target", &mesh.gateway, "--mode", "closed", "--concurrency", "16", "--requests", "100000"])
-        .args(["--max-tokens", "16", "--stall-s", "60", "--timeout-s", "120", "--out"])
-        .arg(&report)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {}: {e}", loadtest.display()));
-    // Load flowing first.
-    let t0 = Instant::now();
-    while mesh.gauge("gateway", "pdmesh_gateway_requests_total{outcome=\"ok\"}").await < 16.0 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "no load reached the gateway");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let load = start_load(&mesh.gateway, &report);
+    flowing(&mesh, 16.0).await;
+    // What would break the mesh is refused, with the reason.
+    let e = tokio::task::block_in_place(|| meshctl_refused(&["drain", "decode-0"], &url));
+    assert!(e.contains("the last decode"), "{e}");
+    let e = tokio::task::block_in_place(|| meshctl_refused(&["scale", "kvbroker=2"], &url));
+    assert!(e.contains("tickets live in its memory"), "{e}");
+    let e = tokio::task::block_in_place(|| meshctl_refused(&["scale", "decode=x"], &url));
+    assert!(e.contains("N must be a number"), "{e}");
     let steps: [(&[&str], &str, usize); 4] = [
         (&["scale", "decode=2"], "decode", 2),
         (&["scale", "decode=1"], "decode", 1),
@@ -75,20 +124,59 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request() {
         assert_eq!(ids.len(), 1, "{kind}: {ids:?}");
         assert!(!before.contains(&ids[0]), "{kind} was replaced: {before:?} -> {after:?}");
     }
-    // Let the load run on the new processes a little, then stop it (SIGINT: it finishes what is in flight).
+    // Let the load run on the new processes a little, then stop it.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    // SAFETY: kill(2) on the load generator this test started.
-    unsafe {
-        libc::kill(load.id() as libc::pid_t, libc::SIGINT);
-    }
-    let status = load.wait().unwrap();
-    assert!(status.success(), "pdmesh-loadtest exited with {status}");
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    let p = &r["points"][0];
+    let (p, _) = stop_load(load, &report);
     eprintln!(
         "under load: {} requests, {} ok, {} errors, {} stalled",
         p["requests"], p["ok"], p["errors"], p["stalled"]
     );
     assert!(p["ok"].as_u64().unwrap() >= 100, "{p}");
     assert_eq!((p["errors"].as_u64(), p["stalled"].as_u64()), (Some(0), Some(0)), "no request failed or stalled: {p}");
+
+    // kill -9 of a decode under load: the agent's check drops it, and only
+    // what it was serving fails, each with a clean error (an HTTP status,
+    // or an error event in a stream that had started).
+    tokio::task::block_in_place(|| meshctl(&["scale", "decode=2"], &url));
+    let report = mesh.dir.join("load-kill.json");
+    let load = start_load(&mesh.gateway, &report);
+    flowing(&mesh, 16.0).await;
+    let decodes = mesh.metrics_all("decode").await;
+    let held = |t: &str| {
+        ["pdmesh_decode_running", "pdmesh_decode_awaiting_kv", "pdmesh_decode_queued", "pdmesh_decode_local_prefilling"]
+            .iter()
+            .map(|g| pdmesh_core::http::metric(t, g).unwrap_or(0.0))
+            .sum::<f64>()
+    };
+    let (victim, _) = decodes.iter().max_by(|a, b| held(&a.1).total_cmp(&held(&b.1))).unwrap();
+    let inst = mesh.registry().healthy("decode").await.unwrap().into_iter().find(|i| &i.id == victim).unwrap();
+    let pid = common::pid_of(&inst);
+    let (_, m) = pdmesh_testkit::http_get(inst.http_addr.as_deref().unwrap(), "/metrics");
+    let serving = held(&m);
+    // SAFETY: kill(2) on a service process this test's mesh started.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let t0 = Instant::now();
+    while fake.checks()[&format!("service:{victim}")]["Status"] == "passing" {
+        assert!(t0.elapsed() < Duration::from_secs(10), "{victim}'s check never failed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let seen = t0.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (p, records) = stop_load(load, &report);
+    let failed: Vec<&serde_json::Value> = records.iter().filter(|r| r["outcome"]["kind"] != "ok").collect();
+    eprintln!(
+        "kill -9 of {victim} serving {serving}: its check failed after {seen:?}; {} requests, {} failed: {:?}",
+        p["requests"],
+        failed.len(),
+        failed.iter().map(|r| &r["outcome"]).collect::<Vec<_>>()
+    );
+    assert!(failed.len() as f64 <= serving + 1.0, "only what {victim} was serving fails: {} > {serving}", failed.len());
+    for r in failed {
+        let kind = r["outcome"]["kind"].as_str().unwrap_or("");
+        let clean =
+            kind == "stream_error" || (kind == "http" && r["outcome"]["status"].as_u64().is_some_and(|s| s >= 500));
+        assert!(clean, "a clean error, not a cut connection or a hang: {r}");
+    }
 }

@@ -38,6 +38,9 @@ impl Mesh {
     /// disaggregated path (transfers, tickets, prefill scheduling).
     pub fn up(extra: &[&str]) -> Mesh {
         let remote: &[&str] = if extra.contains(&"--max-local-prefill") { &[] } else { &["--max-local-prefill", "0"] };
+        // Stopping a mesh drains every service: a short notice keeps test
+        // teardown quick (routers' watches poll every 0.3 s); drain tests set their own.
+        let notice: &[&str] = if extra.contains(&"--drain-notice-ms") { &[] } else { &["--drain-notice-ms", "300"] };
         let guard = ONE_MESH.lock().unwrap_or_else(|e| e.into_inner());
         let dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), rand_suffix()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -50,6 +53,7 @@ impl Mesh {
             .arg(dir.join("logs"))
             .args(["--ready-timeout-s", "300"])
             .args(remote)
+            .args(notice)
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
