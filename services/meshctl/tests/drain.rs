@@ -21,6 +21,17 @@ fn sigterm(pid: i32) {
     }
 }
 
+/// `meshctl ARGS` on the mesh whose file registry is `registry`; it must succeed.
+fn meshctl(args: &[&str], registry: &std::path::Path) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshctl"))
+        .args(args)
+        .arg("--registry-dir")
+        .arg(registry)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "meshctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// Wait until the decode `id` runs at least `n` sequences.
 async fn running_on(mesh: &Mesh, id: &str, n: f64) {
     let t0 = Instant::now();
@@ -37,24 +48,12 @@ async fn running_on(mesh: &Mesh, id: &str, n: f64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_decode_drained_with_running_sequences_finishes_them_and_leaves() {
-    let mesh = tokio::task::block_in_place(|| {
-        Mesh::up(&[
-            "--decode-replicas",
-            "2",
-            "--threads",
-            "1",
-            "--no-restart",
-            "--router-policy",
-            "least-busy",
-            "--drain-notice-ms",
-            "1000",
-        ])
-    });
-    let victim = mesh.registry().healthy("decode").await.unwrap().remove(0);
+async fn a_decode_drained_with_8_running_sequences_finishes_them_and_leaves() {
+    let mesh = tokio::task::block_in_place(|| Mesh::up(&["--threads", "1", "--drain-notice-ms", "1000"]));
+    let victim = mesh.instance("decode").await;
     let pid = pid_of(&victim);
     let router = mesh.router().await;
-    let tokens = 96;
+    let tokens = 160;
     let mut reqs = Vec::new();
     for i in 0..8 {
         let mut r = router.clone();
@@ -66,9 +65,12 @@ async fn a_decode_drained_with_running_sequences_finishes_them_and_leaves() {
             .await
         }));
     }
-    running_on(&mesh, &victim.id, 2.0).await;
+    // All 8 run on the one decode; a second one joins; the first is drained.
+    running_on(&mesh, &victim.id, 8.0).await;
+    let registry = mesh.dir.join("registry");
+    tokio::task::block_in_place(|| meshctl(&["scale", "decode=2"], &registry));
     let t0 = Instant::now();
-    sigterm(pid);
+    let drain = tokio::task::spawn_blocking(move || meshctl(&["drain", "decode-0"], &registry));
     // Out of discovery at once, while it still serves what it holds.
     while mesh.registry().healthy("decode").await.unwrap().iter().any(|i| i.id == victim.id) {
         assert!(t0.elapsed() < Duration::from_secs(5), "{} still listed while draining", victim.id);
@@ -85,12 +87,15 @@ async fn a_decode_drained_with_running_sequences_finishes_them_and_leaves() {
             q.await.unwrap().expect("ends within its deadline").unwrap_or_else(|e| panic!("request {i} failed: {e}"));
         assert_eq!(out.ids.len(), tokens as usize, "request {i} got all its tokens");
     }
-    while alive(pid) {
-        assert!(t0.elapsed() < Duration::from_secs(40), "the drained decode never exited");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    drain.await.unwrap();
+    assert!(!alive(pid), "`meshctl drain` returns once the instance has exited");
     let log = std::fs::read_to_string(mesh.dir.join("logs").join(format!("{}.log", victim.id))).unwrap();
     assert!(log.contains("drained in"), "the decode says it drained clean:\n{log}");
+    eprintln!("{}", log.lines().filter(|l| l.contains("drain")).collect::<Vec<_>>().join("\n"));
+    // Not restarted: meshctl forgot it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ids: Vec<String> = mesh.registry().healthy("decode").await.unwrap().into_iter().map(|i| i.id).collect();
+    assert_eq!(ids, ["decode-1"]);
     mesh.assert_released(Duration::from_secs(10)).await;
 }
 
