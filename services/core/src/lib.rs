@@ -16,6 +16,7 @@ pub mod peers;
 pub mod serve;
 pub mod signal;
 pub mod telemetry;
+pub mod tls;
 pub mod vocab;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).

@@ -10,18 +10,24 @@ use std::time::Duration;
 
 use pdmesh_core::admin::{serve_admin, AdminState};
 use pdmesh_core::discovery::{health, watch, Consul, ConsulConfig, Discovery, Instance};
-use pdmesh_testkit::consul::FakeConsul;
+use pdmesh_core::tls::ClientTls;
+use pdmesh_testkit::consul::{FakeConsul, TestCa};
 
 const TOKEN: &str = "test-token-1";
 
-fn consul(fake: &FakeConsul, token: Option<&str>) -> Arc<Consul> {
-    Arc::new(Consul::new(ConsulConfig {
+fn config(fake: &FakeConsul, token: Option<&str>, tls: Option<ClientTls>) -> ConsulConfig {
+    ConsulConfig {
         addr: fake.addr.to_string(),
         token: token.map(str::to_string),
         check_interval: Duration::from_millis(200),
         wait: Duration::from_secs(30),
         deregister_after: Duration::from_secs(60),
-    }))
+        tls,
+    }
+}
+
+fn consul(fake: &FakeConsul, token: Option<&str>) -> Arc<Consul> {
+    Arc::new(Consul::new(config(fake, token, None)).unwrap())
 }
 
 fn inst(id: &str, port: u16, http: Option<String>) -> Instance {
@@ -220,4 +226,32 @@ async fn the_fake_agent_keeps_to_the_documented_shapes() {
     })
     .await
     .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_the_agent_is_verified_against_the_given_ca() {
+    let dir = std::env::temp_dir().join(format!("pdmesh-consul-tls-{}", std::process::id()));
+    let ca = TestCa::new(&dir.join("ca"));
+    let fake = FakeConsul::start_tls(Some(TOKEN), &ca).await;
+    let trusting = ClientTls { ca_file: Some(ca.ca_pem.clone()), ..Default::default() };
+    let c = Arc::new(Consul::new(config(&fake, Some(TOKEN), Some(trusting))).unwrap());
+    assert!(c.describe().contains("https"), "{}", c.describe());
+    let _r = c.register(inst("decode-tls", 7401, None)).await.unwrap();
+    let rx = watch(c.clone(), "decode", Duration::from_millis(50));
+    until("the watch sees decode-tls over TLS", || ids(&rx) == ["decode-tls"]).await;
+    assert!(fake.requests().iter().all(|r| r.token.as_deref() == Some(TOKEN)));
+
+    // Trusting another CA: refused, and the error says it is the certificate.
+    let other = TestCa::new(&dir.join("other"));
+    let wrong = ClientTls { ca_file: Some(other.ca_pem.clone()), ..Default::default() };
+    let e = Consul::new(config(&fake, Some(TOKEN), Some(wrong))).unwrap().healthy("decode").await.unwrap_err();
+    assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+    // Plain HTTP to an HTTPS agent fails too (no answer it can read).
+    assert!(Consul::new(config(&fake, Some(TOKEN), None)).unwrap().healthy("decode").await.is_err());
+    // A CA file that is not PEM is a clear error when the client is made.
+    std::fs::write(dir.join("junk.pem"), "not a certificate").unwrap();
+    let junk = ClientTls { ca_file: Some(dir.join("junk.pem")), ..Default::default() };
+    let e = Consul::new(config(&fake, None, Some(junk))).err().expect("junk CA refused").to_string();
+    assert!(e.contains("junk.pem"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

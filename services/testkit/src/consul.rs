@@ -19,6 +19,9 @@
 //!   most 10): every read carries `X-Consul-Index`; lists are `[]`, never
 //!   `null`; a service registered without `Meta` shows `"Meta": null`.
 //!
+//! With TLS ([`FakeConsul::start_tls`]) it answers HTTPS only, with a
+//! certificate for 127.0.0.1 signed by a CA of its own ([`TestCa`]).
+//!
 //! With a token set, every call without that `X-Consul-Token` gets 403
 //! `ACL not found`. Every call is logged ([`FakeConsul::requests`]), so
 //! tests can see blocking queries and tokens. [`FakeConsul::stop`] and
@@ -103,6 +106,50 @@ pub struct FakeConsul {
     state: Arc<State>,
     server: Option<JoinHandle<()>>,
     checker: JoinHandle<()>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+/// A certificate authority made for a test, and a server certificate it
+/// signed for 127.0.0.1 and localhost; written as PEM files into a folder.
+pub struct TestCa {
+    /// The CA certificate (what `CONSUL_CACERT` names).
+    pub ca_pem: std::path::PathBuf,
+    server_cert: String,
+    server_key: String,
+}
+
+impl TestCa {
+    /// A new CA and server certificate, with the CA's PEM written into `dir`.
+    pub fn new(dir: &std::path::Path) -> TestCa {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+        let ca_key = KeyPair::generate().expect("a CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).expect("a self-signed CA");
+        let key = KeyPair::generate().expect("a server key");
+        let server =
+            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).expect("server parameters");
+        let cert = server.signed_by(&key, &ca_cert, &ca_key).expect("a signed server certificate");
+        std::fs::create_dir_all(dir).expect("the CA folder");
+        let ca_pem = dir.join("ca.pem");
+        std::fs::write(&ca_pem, ca_cert.pem()).expect("write ca.pem");
+        TestCa { ca_pem, server_cert: cert.pem(), server_key: key.serialize_pem() }
+    }
+
+    fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = vec![CertificateDer::from_pem_slice(self.server_cert.as_bytes()).expect("server certificate PEM")];
+        let key = PrivateKeyDer::from_pem_slice(self.server_key.as_bytes()).expect("server key PEM");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .expect("a server TLS configuration");
+        tokio_rustls::TlsAcceptor::from(Arc::new(config))
+    }
 }
 
 /// A Go duration such as `1s`, `1500ms`, `1m30s`.
@@ -232,6 +279,15 @@ fn set_status(c: &mut Check, status: &str, output: String, now: Instant) -> bool
 impl FakeConsul {
     /// A fake agent on a free loopback port; with `token`, calls must carry it.
     pub async fn start_new(token: Option<&str>) -> FakeConsul {
+        FakeConsul::start_with(token, None).await
+    }
+
+    /// A fake agent that answers HTTPS only, with `ca`'s server certificate.
+    pub async fn start_tls(token: Option<&str>, ca: &TestCa) -> FakeConsul {
+        FakeConsul::start_with(token, Some(ca.acceptor())).await
+    }
+
+    async fn start_with(token: Option<&str>, tls: Option<tokio_rustls::TlsAcceptor>) -> FakeConsul {
         let (changed, _) = tokio::sync::watch::channel(1);
         let state = Arc::new(State {
             inner: Mutex::new(Inner { index: 1, ..Default::default() }),
@@ -241,8 +297,8 @@ impl FakeConsul {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the fake agent");
         let addr = listener.local_addr().expect("local address");
         let checker = tokio::spawn(run_checks(state.clone()));
-        let server = Some(tokio::spawn(serve(listener, state.clone())));
-        FakeConsul { addr, state, server, checker }
+        let server = Some(tokio::spawn(serve(listener, state.clone(), tls.clone())));
+        FakeConsul { addr, state, server, checker, tls }
     }
 
     /// `consul://addr`, for `--discovery`.
@@ -271,7 +327,7 @@ impl FakeConsul {
                 Err(e) => panic!("cannot bind the fake agent again on {}: {e}", self.addr),
             }
         };
-        self.server = Some(tokio::spawn(serve(listener, self.state.clone())));
+        self.server = Some(tokio::spawn(serve(listener, self.state.clone(), self.tls.clone())));
     }
 
     /// Every registered service as `GET /v1/agent/services` shows it, by id.
@@ -304,21 +360,37 @@ impl Drop for FakeConsul {
 }
 
 /// Accept connections until aborted; aborting also cuts every open connection.
-async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
+async fn serve(listener: tokio::net::TcpListener, state: Arc<State>, tls: Option<tokio_rustls::TlsAcceptor>) {
     let mut conns = tokio::task::JoinSet::new();
     loop {
         let Ok((stream, _)) = listener.accept().await else { continue };
         let state = state.clone();
+        let tls = tls.clone();
         conns.spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(state, req).await) }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await;
+            match tls {
+                Some(acceptor) => {
+                    // A client that does not finish the handshake is dropped.
+                    if let Ok(s) = acceptor.accept(stream).await {
+                        serve_connection(s, state).await;
+                    }
+                }
+                None => serve_connection(stream, state).await,
+            }
         });
         while conns.try_join_next().is_some() {}
     }
+}
+
+async fn serve_connection<S>(stream: S, state: Arc<State>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| {
+        let state = state.clone();
+        async move { Ok::<_, Infallible>(handle(state, req).await) }
+    });
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await;
 }
 
 /// Run HTTP checks when due, expire TTLs, reap long-critical services.

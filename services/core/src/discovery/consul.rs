@@ -27,6 +27,10 @@
 //!
 //! `CONSUL_HTTP_TOKEN` (or the file named by `CONSUL_HTTP_TOKEN_FILE`) is
 //! sent as `X-Consul-Token`; it is never logged or shown in /statusz.
+//! `CONSUL_HTTP_SSL=true` (or an `https://` address) talks TLS to the agent,
+//! trusting `CONSUL_CACERT` / `CONSUL_CAPATH` (else the system's roots),
+//! with `CONSUL_CLIENT_CERT` and `CONSUL_CLIENT_KEY` for agents that verify
+//! clients and `CONSUL_TLS_SERVER_NAME` to verify another name.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -35,6 +39,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use serde::Deserialize;
@@ -63,6 +68,8 @@ pub struct ConsulConfig {
     pub wait: Duration,
     /// `DeregisterCriticalServiceAfter`.
     pub deregister_after: Duration,
+    /// TLS to the agent (`https`); `None`: plain HTTP.
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -91,13 +98,7 @@ impl ConsulConfig {
             }
             None => (ssl_env, raw.clone()),
         };
-        if ssl {
-            return Err(DiscoveryError::Consul(
-                "HTTPS to the Consul agent (CONSUL_HTTP_SSL or an https:// address) is not supported yet: \
-                 talk to the local agent's HTTP port, which listens on loopback by default"
-                    .into(),
-            ));
-        }
+        let tls = if ssl { Some(tls_from_env()?) } else { None };
         let hostport = hostport.trim_end_matches('/').to_string();
         if split_host_port(&hostport).is_none() {
             return Err(DiscoveryError::Consul(format!("Consul agent address {raw:?}: give HOST:PORT")));
@@ -114,15 +115,31 @@ impl ConsulConfig {
                 None => None,
             },
         };
-        Ok(ConsulConfig { addr: hostport, token, check_interval, wait, deregister_after })
+        Ok(ConsulConfig { addr: hostport, token, check_interval, wait, deregister_after, tls })
     }
+}
+
+/// TLS to the agent from Consul's own variables.
+fn tls_from_env() -> Result<crate::tls::ClientTls, DiscoveryError> {
+    if env("CONSUL_HTTP_SSL_VERIFY").is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "0" | "false")) {
+        return Err(DiscoveryError::Consul(
+            "CONSUL_HTTP_SSL_VERIFY=false is not supported: give the agent's CA in CONSUL_CACERT".into(),
+        ));
+    }
+    Ok(crate::tls::ClientTls {
+        ca_file: env("CONSUL_CACERT").map(Into::into),
+        ca_dir: env("CONSUL_CAPATH").map(Into::into),
+        client_cert: env("CONSUL_CLIENT_CERT").map(Into::into),
+        client_key: env("CONSUL_CLIENT_KEY").map(Into::into),
+        server_name: env("CONSUL_TLS_SERVER_NAME"),
+    })
 }
 
 /// A Consul agent (see the module docs). Cheap to clone.
 #[derive(Clone)]
 pub struct Consul {
     cfg: Arc<ConsulConfig>,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
 }
 
 /// One answer of the agent.
@@ -130,6 +147,21 @@ struct Reply {
     status: u16,
     index: Option<u64>,
     body: Bytes,
+}
+
+/// An error with its causes, `outer: inner: root` (hyper's client error
+/// says only "client error (Connect)"; the cause is what an operator needs).
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let s = c.to_string();
+        if !out.contains(&s) {
+            out = format!("{out}: {s}");
+        }
+        cur = c.source();
+    }
+    out
 }
 
 /// A Go duration, as Consul reads them.
@@ -143,9 +175,39 @@ pub fn service_name(kind: &str) -> String {
 }
 
 impl Consul {
-    pub fn new(cfg: ConsulConfig) -> Consul {
-        let client = Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
-        Consul { cfg: Arc::new(cfg), client }
+    /// A client of the agent `cfg` names; an error when its TLS files are unusable.
+    pub fn new(cfg: ConsulConfig) -> Result<Consul, DiscoveryError> {
+        let tls = cfg.tls.clone().unwrap_or_default();
+        let config = if cfg.tls.is_some() {
+            tls.config().map_err(|e| DiscoveryError::Consul(format!("TLS to the Consul agent: {e}")))?
+        } else {
+            // Plain HTTP: the connector never uses it.
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| DiscoveryError::Consul(e.to_string()))?
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth()
+        };
+        let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config).https_or_http();
+        let builder = match &tls.server_name {
+            Some(n) => {
+                let name = rustls::pki_types::ServerName::try_from(n.clone())
+                    .map_err(|e| DiscoveryError::Consul(format!("CONSUL_TLS_SERVER_NAME {n:?}: {e}")))?;
+                builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name))
+            }
+            None => builder,
+        };
+        let connector = builder.enable_http1().build();
+        let client = Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector);
+        Ok(Consul { cfg: Arc::new(cfg), client })
+    }
+
+    fn scheme(&self) -> &'static str {
+        if self.cfg.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 
     /// One call; an unreachable agent or a timeout is an error, any HTTP status is a reply.
@@ -157,7 +219,8 @@ impl Consul {
         timeout: Duration,
     ) -> Result<Reply, DiscoveryError> {
         let what = || format!("Consul agent {}: {method} {path}", self.cfg.addr);
-        let mut req = Request::builder().method(method.clone()).uri(format!("http://{}{path}", self.cfg.addr));
+        let uri = format!("{}://{}{path}", self.scheme(), self.cfg.addr);
+        let mut req = Request::builder().method(method.clone()).uri(uri);
         if let Some(t) = &self.cfg.token {
             req = req.header("X-Consul-Token", t);
         }
@@ -167,7 +230,7 @@ impl Consul {
             .body(Full::new(body))
             .map_err(|e| DiscoveryError::Consul(format!("{}: {e}", what())))?;
         let exchange = async {
-            let resp = self.client.request(req).await.map_err(|e| format!("{e}"))?;
+            let resp = self.client.request(req).await.map_err(|e| causes(&e))?;
             let status = resp.status().as_u16();
             let index = resp.headers().get("X-Consul-Index").and_then(|v| v.to_str().ok()?.parse().ok());
             let body = resp.into_body().collect().await.map_err(|e| format!("{e}"))?.to_bytes();
@@ -381,7 +444,10 @@ impl Discovery for Consul {
     }
 
     fn describe(&self) -> String {
-        format!("consul://{}", self.cfg.addr)
+        match self.cfg.tls {
+            Some(_) => format!("consul://{} (https)", self.cfg.addr),
+            None => format!("consul://{}", self.cfg.addr),
+        }
     }
 }
 
@@ -416,8 +482,8 @@ mod tests {
         let d = Duration::from_secs(1);
         assert_eq!(ConsulConfig::from_env("10.0.0.1:8500", d, d, d).unwrap().addr, "10.0.0.1:8500");
         assert_eq!(ConsulConfig::from_env("http://h:1/", d, d, d).unwrap().addr, "h:1");
-        let e = ConsulConfig::from_env("https://h:8501", d, d, d).unwrap_err().to_string();
-        assert!(e.contains("HTTPS"), "{e}");
+        assert!(ConsulConfig::from_env("https://h:8501", d, d, d).unwrap().tls.is_some(), "https:// means TLS");
+        assert!(ConsulConfig::from_env("http://h:8500", d, d, d).unwrap().tls.is_none());
         let e = ConsulConfig::from_env("unix:///x", d, d, d).unwrap_err().to_string();
         assert!(e.contains("unix://"), "{e}");
     }

@@ -295,7 +295,7 @@ impl DiscoveryArgs {
                 Duration::from_millis(self.consul_check_interval_ms.max(100)),
                 Duration::from_secs(self.consul_watch_wait_s.clamp(1, 600)),
                 Duration::from_secs(self.consul_deregister_after_s.max(60)),
-            )?)),
+            )?)?),
         })
     }
 
