@@ -14,6 +14,10 @@
 //!   prefill, decode, tokenizer, router, gateway (the gateway's new process
 //!   shares the old one's port through SO_REUSEPORT while the old drains).
 //!
+//! `GET /v1/processes` is every process's supervisor state (running,
+//! restarting after a backoff, left down after a crash loop), which
+//! `meshctl status` shows.
+//!
 //! One operation runs at a time; others queue. The kvbroker is neither
 //! scaled nor restarted this way: its tickets live in its memory, and two
 //! brokers at once would split transfers between them.
@@ -57,12 +61,22 @@ struct Asked {
 pub struct Mesh {
     pub ctx: Ctx,
     pub svcs: Vec<Svc>,
+    processes: Snapshot,
 }
 
 /// The control endpoint while it serves.
 pub struct Control {
     rx: tokio::sync::mpsc::Receiver<Asked>,
     registration: Option<Registration>,
+}
+
+/// Every process's supervisor state, refreshed each tick for `GET /v1/processes`.
+type Snapshot = std::sync::Arc<std::sync::Mutex<Value>>;
+
+#[derive(Clone)]
+struct Endpoint {
+    tx: tokio::sync::mpsc::Sender<Asked>,
+    processes: Snapshot,
 }
 
 fn refuse_kind(kind: &str) -> Result<(), String> {
@@ -75,7 +89,15 @@ fn refuse_kind(kind: &str) -> Result<(), String> {
 
 impl Mesh {
     pub fn new(ctx: Ctx, svcs: Vec<Svc>) -> Mesh {
-        Mesh { ctx, svcs }
+        let processes = Snapshot::default();
+        let mesh = Mesh { ctx, svcs, processes };
+        mesh.publish();
+        mesh
+    }
+
+    fn publish(&self) {
+        let v = Value::Array(self.svcs.iter().map(Svc::state).collect());
+        *self.processes.lock().unwrap_or_else(|e| e.into_inner()) = v;
     }
 
     /// Serve the control endpoint on loopback and register it in discovery.
@@ -83,8 +105,12 @@ impl Mesh {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
         let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
         let (tx, rx) = tokio::sync::mpsc::channel::<Asked>(16);
-        let app =
-            axum::Router::new().route("/health", get(|| async { "ok\n" })).route("/v1/op", post(ask)).with_state(tx);
+        let ep = Endpoint { tx, processes: self.processes.clone() };
+        let app = axum::Router::new()
+            .route("/health", get(|| async { "ok\n" }))
+            .route("/v1/op", post(ask))
+            .route("/v1/processes", get(processes))
+            .with_state(ep);
         tokio::spawn(async move { axum::serve(l, app).await });
         let d = self.ctx.a.discovery.open(&self.ctx.locator).map_err(|e| e.to_string())?;
         let me = Instance {
@@ -141,6 +167,7 @@ impl Mesh {
         if restart_exited(&self.ctx.a, &mut self.svcs) {
             self.ctx.write_targets(&self.svcs);
         }
+        self.publish();
     }
 
     async fn run_op(&mut self, op: Op) -> Result<Value, String> {
@@ -262,7 +289,13 @@ impl Mesh {
     }
 }
 
-async fn ask(State(tx): State<tokio::sync::mpsc::Sender<Asked>>, body: axum::body::Bytes) -> axum::response::Response {
+async fn processes(State(ep): State<Endpoint>) -> axum::response::Response {
+    let v = ep.processes.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    (StatusCode::OK, v.to_string()).into_response()
+}
+
+async fn ask(State(ep): State<Endpoint>, body: axum::body::Bytes) -> axum::response::Response {
+    let tx = ep.tx;
     let op: Op = match serde_json::from_slice(&body) {
         Ok(op) => op,
         Err(e) => {

@@ -1,5 +1,7 @@
 //! One process of the mesh under `meshctl up`: how it is started (nice,
-//! CPU pinning, new ports when one was taken), waited on, and stopped.
+//! CPU pinning, the gateway's socket, death with its parent, new ports when
+//! one was taken), waited on, restarted (with backoff, up to a crash-loop
+//! limit) and stopped.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -8,6 +10,27 @@ use tokio::process::{Child, Command};
 
 /// The file descriptor a child inherits its listening socket as.
 pub const INHERITED_FD: i32 = 3;
+/// An exit this soon after a start is a step of a crash loop.
+pub const QUICK_EXIT: Duration = Duration::from_secs(10);
+/// First restart delay of a crash loop; it doubles per step, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(250);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The delay before restart number `step` of a crash loop (1-based).
+pub fn backoff(step: u32) -> Duration {
+    FIRST_BACKOFF.saturating_mul(1 << step.saturating_sub(1).min(16)).min(MAX_BACKOFF)
+}
+
+/// What the supervisor does about a child that exited.
+#[derive(Debug, PartialEq, Eq)]
+pub enum AfterExit {
+    /// It was draining: forget it.
+    Forget,
+    /// Start it again at this time.
+    RestartAt(Instant),
+    /// Leave it down; the reason is in `gave_up`.
+    GiveUp,
+}
 
 pub struct Svc {
     /// Service kind (`decode`) and its index (`decode-1` is index 1).
@@ -23,6 +46,16 @@ pub struct Svc {
     pub log: PathBuf,
     pub child: Option<Child>,
     pub restarts: u32,
+    /// When the running child started.
+    pub started: Option<Instant>,
+    /// Exits in a row that each came soon after a start (a crash loop).
+    pub quick_exits: u32,
+    /// A restart waiting out its backoff.
+    pub restart_at: Option<Instant>,
+    /// Why meshctl stopped restarting it (crash loop, `--no-restart`).
+    pub gave_up: Option<String>,
+    /// How the last child ended.
+    pub last_exit: Option<String>,
     /// Whether meshctl picked the gRPC port (not the gateway's --gateway-addr).
     pub own_listen: bool,
     /// The process's nice value (prefill workers: `--prefill-nice`).
@@ -81,6 +114,53 @@ impl Svc {
         Ok(())
     }
 
+    /// Book an exit (`status`) and decide what follows: forget a drained
+    /// one, restart after a backoff that doubles along a crash loop, or
+    /// give up once `max_quick` exits in a row each came within
+    /// [`QUICK_EXIT`] of a start (or when restarts are off).
+    pub fn exited(&mut self, status: &str, restart: bool, max_quick: u32) -> AfterExit {
+        self.child = None;
+        self.last_exit = Some(status.to_string());
+        if self.draining {
+            return AfterExit::Forget;
+        }
+        if !restart {
+            self.gave_up = Some("--no-restart".into());
+            return AfterExit::GiveUp;
+        }
+        let quick = self.started.is_some_and(|t| t.elapsed() < QUICK_EXIT);
+        self.quick_exits = if quick { self.quick_exits + 1 } else { 1 };
+        if self.quick_exits > max_quick {
+            self.gave_up = Some(format!(
+                "crash loop: {} exits in a row, each within {} s of its start; last: {status}",
+                self.quick_exits,
+                QUICK_EXIT.as_secs()
+            ));
+            return AfterExit::GiveUp;
+        }
+        let at = Instant::now() + backoff(self.quick_exits);
+        self.restart_at = Some(at);
+        AfterExit::RestartAt(at)
+    }
+
+    /// The supervisor's view of this process, for `meshctl status`.
+    pub fn state(&self) -> serde_json::Value {
+        let state = match (&self.child, &self.gave_up, self.restart_at, self.draining) {
+            (_, _, _, true) => "draining".to_string(),
+            (Some(_), _, _, _) => "running".to_string(),
+            (None, Some(why), _, _) => format!("down: {why}"),
+            (None, None, Some(t), _) => {
+                format!("restarting in {:.1} s", t.saturating_duration_since(Instant::now()).as_secs_f64())
+            }
+            (None, None, None, _) => "down".to_string(),
+        };
+        serde_json::json!({
+            "name": self.name, "kind": self.kind, "http_addr": self.http, "state": state,
+            "pid": self.child.as_ref().and_then(Child::id), "restarts": self.restarts,
+            "crash_loop": self.quick_exits, "last_exit": self.last_exit,
+        })
+    }
+
     pub fn spawn(&mut self) -> Result<(), String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -90,53 +170,16 @@ impl Svc {
         let err = log.try_clone().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(&self.bin);
         cmd.args(&self.args).stdout(log).stderr(err).stdin(std::process::Stdio::null()).kill_on_drop(true);
+        die_with_parent(&mut cmd);
         if self.nice != 0 || !self.cpus.is_empty() {
-            let nice = self.nice;
-            // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes
-            // within it (the CPUs were checked against CPU_SETSIZE).
-            let set = unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                for c in &self.cpus {
-                    libc::CPU_SET(*c, &mut set);
-                }
-                set
-            };
-            let pin = !self.cpus.is_empty();
-            // SAFETY: setpriority(2) and sched_setaffinity(2) are plain
-            // system calls; they run in the forked child before exec and
-            // touch no shared state.
-            unsafe {
-                cmd.pre_exec(move || {
-                    if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    if pin && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            with_priority(&mut cmd, self.nice, &self.cpus);
         }
         if let Some(fd) = self.pass_fd {
-            // SAFETY: dup2(2) and fcntl(2) are plain system calls run in the
-            // forked child before exec; dup2 gives a copy without
-            // close-on-exec (fcntl clears it when the socket is already there).
-            unsafe {
-                cmd.pre_exec(move || {
-                    let r = if fd == INHERITED_FD {
-                        libc::fcntl(fd, libc::F_SETFD, 0)
-                    } else {
-                        libc::dup2(fd, INHERITED_FD)
-                    };
-                    if r < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            with_socket(&mut cmd, fd);
         }
         let child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.bin.display()))?;
         self.child = Some(child);
+        self.started = Some(Instant::now());
         Ok(())
     }
 
@@ -198,5 +241,81 @@ impl Svc {
     pub async fn stop(&mut self, grace: Duration) {
         self.terminate();
         self.reap(grace).await;
+    }
+}
+
+/// The child gets SIGTERM (and drains) when meshctl dies, even by SIGKILL.
+/// Linux ties this to the thread that forked: meshctl spawns from its
+/// runtime's worker threads, which live as long as meshctl.
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: getpid(2) here; prctl(2) and getppid(2) are plain system
+    // calls run in the forked child before exec.
+    let parent = unsafe { libc::getpid() };
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // meshctl died between fork and prctl: do not outlive it.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("meshctl exited while starting this service"));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Nice value and CPU pinning of the child.
+fn with_priority(cmd: &mut Command, nice: i32, cpus: &[usize]) {
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes within it
+    // (the CPUs were checked against CPU_SETSIZE).
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for c in cpus {
+            libc::CPU_SET(*c, &mut set);
+        }
+        set
+    };
+    let pin = !cpus.is_empty();
+    // SAFETY: setpriority(2) and sched_setaffinity(2) are plain system calls;
+    // they run in the forked child before exec and touch no shared state.
+    unsafe {
+        cmd.pre_exec(move || {
+            if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if pin && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The child inherits the listening socket `fd` as [`INHERITED_FD`].
+fn with_socket(cmd: &mut Command, fd: i32) {
+    // SAFETY: dup2(2) and fcntl(2) are plain system calls run in the forked
+    // child before exec; dup2 gives a copy without close-on-exec (fcntl
+    // clears it when the socket is already there).
+    unsafe {
+        cmd.pre_exec(move || {
+            let r = if fd == INHERITED_FD { libc::fcntl(fd, libc::F_SETFD, 0) } else { libc::dup2(fd, INHERITED_FD) };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crash_loops_back_off_and_give_up() {
+        assert_eq!(backoff(1), Duration::from_millis(250));
+        assert_eq!(backoff(3), Duration::from_secs(1));
+        assert_eq!(backoff(40), MAX_BACKOFF);
     }
 }

@@ -90,23 +90,21 @@ pub async fn collect(reg: &dyn Discovery) -> Result<Vec<serde_json::Value>, Stri
     Ok(out)
 }
 
-pub async fn run(a: Args) -> Result<(), String> {
-    let registry = a.discovery.open_or_default()?;
-    let list = collect(&*registry).await?;
-    if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({ "discovery": registry.describe(), "instances": list }))
-                .unwrap_or_default()
-        );
-        return Ok(());
+/// The running `meshctl up`'s view of its processes (running, restarting
+/// after a backoff, left down after a crash loop), if one is registered.
+async fn supervisor(reg: &dyn Discovery) -> Option<Vec<serde_json::Value>> {
+    let up = reg.healthy("meshctl").await.ok()?.into_iter().next()?;
+    let addr = up.http_addr?;
+    let got = tokio::task::spawn_blocking(move || get(&addr, "/v1/processes", Duration::from_secs(2))).await.ok()?;
+    match got {
+        Ok((200, body)) => serde_json::from_str(&body).ok(),
+        _ => None,
     }
-    if list.is_empty() {
-        println!("no live instances in {}", registry.describe());
-        return Ok(());
-    }
+}
+
+fn print_table(list: &[serde_json::Value]) {
     println!("{:<10} {:<14} {:<22} {:<22} {:<12} load", "SERVICE", "ID", "ADDR", "HTTP", "HEALTH");
-    for i in &list {
+    for i in list {
         let load = i["load"]
             .as_object()
             .map(|o| o.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "))
@@ -119,6 +117,32 @@ pub async fn run(a: Args) -> Result<(), String> {
             i["http_addr"].as_str().unwrap_or("-"),
             i["health"].as_str().unwrap_or(""),
             load
+        );
+    }
+}
+
+pub async fn run(a: Args) -> Result<(), String> {
+    let registry = a.discovery.open_or_default()?;
+    let list = collect(&*registry).await?;
+    let procs = supervisor(&*registry).await;
+    if a.json {
+        let v = json!({ "discovery": registry.describe(), "instances": list, "supervisor": procs });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return Ok(());
+    }
+    if list.is_empty() {
+        println!("no live instances in {}", registry.describe());
+    } else {
+        print_table(&list);
+    }
+    // What the supervisor holds that is not simply running: crash loops, backoffs, drains.
+    for p in procs.iter().flatten().filter(|p| p["state"] != "running") {
+        println!(
+            "meshctl up: {} {} (restarts {}, last exit: {})",
+            p["name"].as_str().unwrap_or(""),
+            p["state"].as_str().unwrap_or(""),
+            p["restarts"],
+            p["last_exit"].as_str().unwrap_or("-")
         );
     }
     Ok(())

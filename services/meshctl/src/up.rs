@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use pdmesh_core::discovery::Locator;
 
-use crate::process::{free_addr, write_prometheus_sd, Svc};
+use crate::process::{free_addr, write_prometheus_sd, AfterExit, Svc};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -98,6 +98,11 @@ pub struct Args {
     /// How each service drains on SIGTERM (passed to every service).
     #[command(flatten)]
     pub drain: pdmesh_core::drain::DrainArgs,
+    /// Crash-loop limit: after this many exits in a row, each within 10 s
+    /// of its start, a service is left down (`meshctl status` says why).
+    /// Restarts wait 0.25 s, doubling along a crash loop up to 30 s.
+    #[arg(long, default_value_t = 10)]
+    pub max_quick_restarts: u32,
     /// Do not restart a service that exits on its own.
     #[arg(long)]
     pub no_restart: bool,
@@ -299,6 +304,11 @@ impl Ctx {
             log: self.log_dir.join(format!("{id}.log")),
             child: None,
             restarts: 0,
+            started: None,
+            quick_exits: 0,
+            restart_at: None,
+            gave_up: None,
+            last_exit: None,
             own_listen: kind != "gateway",
             pass_fd: (kind == "gateway").then(|| std::os::fd::AsRawFd::as_raw_fd(&self.gateway_socket)),
             nice: if kind == "prefill" { a.prefill_nice } else { 0 },
@@ -396,33 +406,46 @@ async fn start_all(
     Ok(())
 }
 
-/// Restart each service that exited (unless `--no-restart`; a drained one
-/// is forgotten instead); whether the Prometheus target list needs
-/// rewriting (a service got new ports, or one left).
+/// Book each service that exited and restart those whose backoff is over
+/// (a drained one is forgotten; a crash loop past `--max-quick-restarts`,
+/// or any exit with `--no-restart`, is left down); whether the Prometheus
+/// target list needs rewriting (a service got new ports, or one left).
 pub fn restart_exited(a: &Args, svcs: &mut Vec<Svc>) -> bool {
     let mut moved = false;
     for s in svcs.iter_mut() {
-        let Some(st) = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) else { continue };
-        s.child = None;
-        if s.draining {
-            eprintln!("meshctl: {} drained and exited ({st})", s.name);
-            moved = true;
-            continue;
+        if let Some(st) = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            match s.exited(&st.to_string(), !a.no_restart, a.max_quick_restarts) {
+                AfterExit::Forget => {
+                    eprintln!("meshctl: {} drained and exited ({st})", s.name);
+                    moved = true;
+                }
+                AfterExit::GiveUp => {
+                    eprintln!(
+                        "meshctl: {} exited ({st}); leaving it down: {}",
+                        s.name,
+                        s.gave_up.as_deref().unwrap_or("")
+                    );
+                }
+                AfterExit::RestartAt(at) => eprintln!(
+                    "meshctl: {} exited ({st}); restarting it alone in {:.2} s (restart {})",
+                    s.name,
+                    at.saturating_duration_since(std::time::Instant::now()).as_secs_f64(),
+                    s.restarts + 1
+                ),
+            }
         }
-        if a.no_restart {
-            eprintln!("meshctl: {} exited ({st}); not restarting (--no-restart)", s.name);
-            continue;
-        }
-        s.restarts += 1;
-        eprintln!("meshctl: {} exited ({st}); restarting it alone (restart {})", s.name, s.restarts);
-        if s.port_was_taken() {
-            if let Err(e) = s.new_ports() {
+        if s.child.is_none() && s.restart_at.is_some_and(|t| std::time::Instant::now() >= t) {
+            s.restart_at = None;
+            s.restarts += 1;
+            if s.port_was_taken() {
+                if let Err(e) = s.new_ports() {
+                    eprintln!("meshctl: {e}");
+                }
+                moved = true;
+            }
+            if let Err(e) = s.spawn() {
                 eprintln!("meshctl: {e}");
             }
-            moved = true;
-        }
-        if let Err(e) = s.spawn() {
-            eprintln!("meshctl: {e}");
         }
     }
     svcs.retain(|s| !(s.draining && s.child.is_none()));

@@ -88,6 +88,11 @@ impl Mesh {
         Mesh { dir, gateway, discovery, child, _one_at_a_time: guard }
     }
 
+    /// The `meshctl up` process's id.
+    pub fn meshctl_pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
     pub fn registry(&self) -> std::sync::Arc<dyn Discovery> {
         self.discovery.clone()
     }
