@@ -95,19 +95,21 @@ impl Admin {
         }
     }
 
-    /// Mark ready and announce `service` at `grpc_addr` (if discovery is
-    /// configured). The returned guard withdraws it.
+    /// Announce `service` at `grpc_addr` (if discovery is configured), then
+    /// mark it ready. The returned guard withdraws it.
     pub async fn announce(
         &self,
         service: &str,
         common: &CommonArgs,
         grpc_addr: SocketAddr,
     ) -> Result<Announced, ServeError> {
-        self.state.set_ready(true);
+        // Registered first, then /health 200: whoever waits on /health
+        // (meshctl, Kubernetes) finds the instance in discovery already.
         let registration = match common.open_discovery().map_err(ServeError::Setup)? {
             Some(d) => Some(d.register(self.instance(service, common, grpc_addr)).await?),
             None => None,
         };
+        self.state.set_ready(true);
         Ok(Announced { registration })
     }
 
