@@ -84,10 +84,7 @@ async fn the_mesh_registers_in_consul_and_routes_by_its_checks() {
     // one check interval plus one watch round; requests keep working.
     let victim = mesh.registry().healthy("decode").await.unwrap().pop().unwrap();
     let pid = common::pid_of(&victim);
-    // SAFETY: kill(2) on a service process this test's mesh started.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
-    }
+    common::signal(pid, libc::SIGKILL);
     let t0 = Instant::now();
     while passing_ids(&fake, "pdmesh-decode").contains(&victim.id) {
         assert!(t0.elapsed() < Duration::from_secs(10), "{} still passing", victim.id);

@@ -6,32 +6,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{chat_request, pid_of, run, Mesh};
+use common::{alive, chat_request, meshctl_ok, pid_of, run, signal, Mesh};
 
 /// Whether process `pid` still exists.
-fn alive(pid: i32) -> bool {
-    // SAFETY: kill(2) with signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 }
-}
-
-fn sigterm(pid: i32) {
-    // SAFETY: kill(2) on a service process this test's mesh started.
-    unsafe {
-        libc::kill(pid, libc::SIGTERM);
-    }
-}
-
-/// `meshctl ARGS` on the mesh whose file registry is `registry`; it must succeed.
-fn meshctl(args: &[&str], registry: &std::path::Path) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshctl"))
-        .args(args)
-        .arg("--registry-dir")
-        .arg(registry)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "meshctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
 /// Wait until the decode `id` runs at least `n` sequences.
 async fn running_on(mesh: &Mesh, id: &str, n: f64) {
     let t0 = Instant::now();
@@ -67,10 +44,10 @@ async fn a_decode_drained_with_8_running_sequences_finishes_them_and_leaves() {
     }
     // All 8 run on the one decode; a second one joins; the first is drained.
     running_on(&mesh, &victim.id, 8.0).await;
-    let registry = mesh.dir.join("registry");
-    tokio::task::block_in_place(|| meshctl(&["scale", "decode=2"], &registry));
+    let registry = mesh.dir.join("registry").display().to_string();
+    tokio::task::block_in_place(|| meshctl_ok(&["scale", "decode=2"], &["--registry-dir", &registry]));
     let t0 = Instant::now();
-    let drain = tokio::task::spawn_blocking(move || meshctl(&["drain", "decode-0"], &registry));
+    let drain = tokio::task::spawn_blocking(move || meshctl_ok(&["drain", "decode-0"], &["--registry-dir", &registry]));
     // Out of discovery at once, while it still serves what it holds.
     while mesh.registry().healthy("decode").await.unwrap().iter().any(|i| i.id == victim.id) {
         assert!(t0.elapsed() < Duration::from_secs(5), "{} still listed while draining", victim.id);
@@ -113,7 +90,7 @@ async fn at_the_drain_deadline_what_is_left_ends_with_a_retriable_error() {
     });
     running_on(&mesh, &decode.id, 1.0).await;
     let t0 = Instant::now();
-    sigterm(pid);
+    signal(pid, libc::SIGTERM);
     let out = long.await.unwrap().expect("no hang: the straggler ends soon after the deadline");
     let e = out.expect_err("3000 tokens cannot finish in a 1 s drain");
     eprintln!("straggler ended after {:?}: {e:?}", t0.elapsed());
@@ -166,7 +143,7 @@ async fn a_prefill_drained_with_transfers_pending_loses_none() {
         assert!(t0.elapsed() < Duration::from_secs(30), "{} never held a prompt", victim.id);
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    sigterm(pid);
+    signal(pid, libc::SIGTERM);
     for (i, q) in reqs.into_iter().enumerate() {
         let out =
             q.await.unwrap().expect("ends within its deadline").unwrap_or_else(|e| panic!("request {i} failed: {e}"));

@@ -17,19 +17,13 @@ use common::Mesh;
 use pdmesh_testkit::consul::FakeConsul;
 
 /// `meshctl ARGS --discovery URL`: its JSON answer (panics with its stderr on failure).
-fn meshctl(args: &[&str], discovery: &str) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshctl"))
-        .args(args)
-        .args(["--discovery", discovery])
-        .output()
-        .expect("run meshctl");
-    assert!(out.status.success(), "meshctl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("meshctl {args:?}: not JSON ({e})"))
+fn ctl(args: &[&str], discovery: &str) -> serde_json::Value {
+    common::meshctl_ok(args, &["--discovery", discovery])
 }
 
 /// `meshctl ARGS --discovery URL`, which must fail: its stderr.
-fn meshctl_refused(args: &[&str], discovery: &str) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshctl")).args(args).args(["--discovery", discovery]).output().unwrap();
+fn ctl_refused(args: &[&str], discovery: &str) -> String {
+    let out = common::meshctl(args, &["--discovery", discovery]);
     assert!(!out.status.success(), "meshctl {args:?} should have been refused");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -49,10 +43,7 @@ fn start_load(gateway: &str, report: &Path) -> std::process::Child {
 
 /// Stop the load (SIGINT: it finishes what is in flight) and read its report's records.
 fn stop_load(mut load: std::process::Child, report: &Path) -> (serde_json::Value, Vec<serde_json::Value>) {
-    // SAFETY: kill(2) on the load generator this test started.
-    unsafe {
-        libc::kill(load.id() as libc::pid_t, libc::SIGINT);
-    }
+    common::signal(load.id() as i32, libc::SIGINT);
     let status = load.wait().unwrap();
     assert!(status.success(), "pdmesh-loadtest exited with {status}");
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
@@ -97,11 +88,11 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
     let load = start_load(&mesh.gateway, &report);
     flowing(&mesh, 16.0).await;
     // What would break the mesh is refused, with the reason.
-    let e = tokio::task::block_in_place(|| meshctl_refused(&["drain", "decode-0"], &url));
+    let e = tokio::task::block_in_place(|| ctl_refused(&["drain", "decode-0"], &url));
     assert!(e.contains("the last decode"), "{e}");
-    let e = tokio::task::block_in_place(|| meshctl_refused(&["scale", "kvbroker=2"], &url));
+    let e = tokio::task::block_in_place(|| ctl_refused(&["scale", "kvbroker=2"], &url));
     assert!(e.contains("tickets live in its memory"), "{e}");
-    let e = tokio::task::block_in_place(|| meshctl_refused(&["scale", "decode=x"], &url));
+    let e = tokio::task::block_in_place(|| ctl_refused(&["scale", "decode=x"], &url));
     assert!(e.contains("N must be a number"), "{e}");
     let steps: [(&[&str], &str, usize); 4] = [
         (&["scale", "decode=2"], "decode", 2),
@@ -110,12 +101,12 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
         (&["scale", "prefill=1"], "prefill", 1),
     ];
     for (args, kind, n) in steps {
-        let v = tokio::task::block_in_place(|| meshctl(args, &url));
+        let v = tokio::task::block_in_place(|| ctl(args, &url));
         eprintln!("meshctl {args:?}: {v}");
         assert_eq!(registered(&fake, kind).len(), n, "{kind} after {args:?}: {:?}", registered(&fake, kind));
     }
     let before: Vec<String> = fake.services().into_keys().collect();
-    let v = tokio::task::block_in_place(|| meshctl(&["restart", "--all"], &url));
+    let v = tokio::task::block_in_place(|| ctl(&["restart", "--all"], &url));
     eprintln!("meshctl restart --all: {v}");
     assert_eq!(v["replaced"].as_array().map(Vec::len), Some(5), "one of each kind but the broker: {v}");
     let after: Vec<String> = fake.services().into_keys().collect();
@@ -137,7 +128,7 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
     // kill -9 of a decode under load: the agent's check drops it, and only
     // what it was serving fails, each with a clean error (an HTTP status,
     // or an error event in a stream that had started).
-    tokio::task::block_in_place(|| meshctl(&["scale", "decode=2"], &url));
+    tokio::task::block_in_place(|| ctl(&["scale", "decode=2"], &url));
     let report = mesh.dir.join("load-kill.json");
     let load = start_load(&mesh.gateway, &report);
     flowing(&mesh, 16.0).await;
@@ -153,10 +144,7 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
     let pid = common::pid_of(&inst);
     let (_, m) = pdmesh_testkit::http_get(inst.http_addr.as_deref().unwrap(), "/metrics");
     let serving = held(&m);
-    // SAFETY: kill(2) on a service process this test's mesh started.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
-    }
+    common::signal(pid, libc::SIGKILL);
     let t0 = Instant::now();
     while fake.checks()[&format!("service:{victim}")]["Status"] == "passing" {
         assert!(t0.elapsed() < Duration::from_secs(10), "{victim}'s check never failed");

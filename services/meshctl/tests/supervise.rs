@@ -6,19 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{pid_of, Mesh};
-
-fn alive(pid: i32) -> bool {
-    // SAFETY: kill(2) with signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 }
-}
-
-fn kill9(pid: i32) {
-    // SAFETY: kill(2) on a process this test's mesh started.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
-    }
-}
+use common::{alive, meshctl, pid_of, signal, Mesh};
 
 /// Wait for a live router whose pid is not `old`; how long that took.
 async fn router_back(mesh: &Mesh, old: i32) -> (i32, Duration) {
@@ -41,7 +29,7 @@ async fn a_crash_loop_backs_off_then_is_left_down_and_status_says_why() {
     let mut pid = pid_of(&mesh.instance("router").await);
     let mut delays = Vec::new();
     for _ in 0..2 {
-        kill9(pid);
+        signal(pid, libc::SIGKILL);
         let (next, took) = router_back(&mesh, pid).await;
         delays.push(took);
         pid = next;
@@ -50,27 +38,20 @@ async fn a_crash_loop_backs_off_then_is_left_down_and_status_says_why() {
     assert!(delays[0] >= Duration::from_millis(250), "first backoff 0.25 s: {delays:?}");
     assert!(delays[1] >= Duration::from_millis(500), "second backoff 0.5 s: {delays:?}");
     // A third exit within 10 s of its start: past --max-quick-restarts 2, left down.
-    kill9(pid);
+    signal(pid, libc::SIGKILL);
     tokio::time::sleep(Duration::from_secs(3)).await;
     // (The file registry lists a killed instance until its heartbeat expires; none answers.)
     let answering: Vec<i32> =
         mesh.registry().healthy("router").await.unwrap().iter().map(pid_of).filter(|p| *p != 0).collect();
     assert!(answering.is_empty() && !alive(pid), "the crash-looping router stays down: {answering:?}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshctl"))
-        .args(["status", "--json", "--registry-dir"])
-        .arg(mesh.dir.join("registry"))
-        .output()
-        .unwrap();
+    let registry = mesh.dir.join("registry").display().to_string();
+    let out = meshctl(&["status", "--json"], &["--registry-dir", &registry]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let router = v["supervisor"].as_array().unwrap().iter().find(|p| p["name"] == "router-0").unwrap().clone();
     eprintln!("meshctl status: {router}");
     assert!(router["state"].as_str().unwrap().starts_with("down: crash loop: 3 exits in a row"), "{router}");
     assert!(router["last_exit"].as_str().unwrap().contains("signal: 9"), "{router}");
-    let text = std::process::Command::new(env!("CARGO_BIN_EXE_meshctl"))
-        .args(["status", "--registry-dir"])
-        .arg(mesh.dir.join("registry"))
-        .output()
-        .unwrap();
+    let text = meshctl(&["status"], &["--registry-dir", &registry]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("meshctl up: router-0 down: crash loop"), "{text}");
 }
@@ -82,7 +63,7 @@ async fn a_killed_meshctl_takes_its_services_with_it() {
     for s in ["tokenizer", "kvbroker", "prefill", "decode", "router", "gateway"] {
         pids.push((s, pid_of(&mesh.instance(s).await)));
     }
-    kill9(mesh.meshctl_pid());
+    signal(mesh.meshctl_pid(), libc::SIGKILL);
     let t0 = Instant::now();
     while pids.iter().any(|(_, p)| alive(*p)) {
         let left: Vec<_> = pids.iter().filter(|(_, p)| alive(*p)).collect();

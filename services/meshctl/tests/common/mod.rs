@@ -432,3 +432,29 @@ pub fn pid_of(i: &Instance) -> i32 {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
     v["pid"].as_u64().unwrap_or(0) as i32
 }
+
+/// Whether process `pid` exists.
+pub fn alive(pid: i32) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+/// Send `sig` to `pid`, a process this test started (a service, meshctl, a load generator).
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on a process of this test's own making.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+/// `meshctl ARGS` plus `at`, where the mesh is (`--discovery URL` or `--registry-dir DIR`).
+pub fn meshctl(args: &[&str], at: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_meshctl")).args(args).args(at).output().expect("run meshctl")
+}
+
+/// [`meshctl`], which must succeed: its answer as JSON (Null when it printed none).
+pub fn meshctl_ok(args: &[&str], at: &[&str]) -> serde_json::Value {
+    let out = meshctl(args, at);
+    assert!(out.status.success(), "meshctl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_default()
+}
