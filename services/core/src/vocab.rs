@@ -128,6 +128,8 @@ pub mod attr {
     pub const ROUTE_MAX_LOCAL_PREFILL: &str = "prefill.max_local_prefill";
     /// Router's Generate: dispatches repeated after a prefill failed before the first token.
     pub const PREFILL_RETRIES: &str = "router.prefill_retries";
+    /// Router's Generate: dispatches repeated after a decode worker died or broke before the first token.
+    pub const DECODE_RETRIES: &str = "router.decode_retries";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
     pub const DETOKENIZE_BUSY_MS: &str = "detokenize.busy_ms";
 

@@ -125,13 +125,18 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
     assert!(p["ok"].as_u64().unwrap() >= 100, "{p}");
     assert_eq!((p["errors"].as_u64(), p["stalled"].as_u64()), (Some(0), Some(0)), "no request failed or stalled: {p}");
 
-    // kill -9 of a decode under load: the agent's check drops it, and only
-    // what it was serving fails, each with a clean error (an HTTP status,
-    // or an error event in a stream that had started).
-    tokio::task::block_in_place(|| ctl(&["scale", "decode=2"], &url));
+    kill_a_decode_under_load(&mesh, &fake, &url).await;
+}
+
+/// kill -9 of a decode under load: the agent's check drops it, and only
+/// what it was serving fails (fewer: those without a token yet are
+/// dispatched again), each with a clean error (an HTTP status, or an
+/// error event in a stream that had started) naming the lost worker.
+async fn kill_a_decode_under_load(mesh: &Mesh, fake: &FakeConsul, url: &str) {
+    tokio::task::block_in_place(|| ctl(&["scale", "decode=2"], url));
     let report = mesh.dir.join("load-kill.json");
     let load = start_load(&mesh.gateway, &report);
-    flowing(&mesh, 16.0).await;
+    flowing(mesh, 16.0).await;
     let decodes = mesh.metrics_all("decode").await;
     let held = |t: &str| {
         ["pdmesh_decode_running", "pdmesh_decode_awaiting_kv", "pdmesh_decode_queued", "pdmesh_decode_local_prefilling"]
@@ -160,11 +165,26 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
         failed.len(),
         failed.iter().map(|r| &r["outcome"]).collect::<Vec<_>>()
     );
+    let retried: f64 = mesh
+        .metrics_all("router")
+        .await
+        .iter()
+        .map(|(_, t)| pdmesh_core::http::metric(t, "pdmesh_router_decode_retries_total").unwrap_or(0.0))
+        .sum();
+    eprintln!("requests dispatched again after the kill: {retried}");
     assert!(failed.len() as f64 <= serving + 1.0, "only what {victim} was serving fails: {} > {serving}", failed.len());
+    if serving >= 3.0 {
+        assert!(failed.len() as f64 + retried >= 1.0, "what {victim} held either failed or was dispatched again");
+    }
     for r in failed {
         let kind = r["outcome"]["kind"].as_str().unwrap_or("");
         let clean =
             kind == "stream_error" || (kind == "http" && r["outcome"]["status"].as_u64().is_some_and(|s| s >= 500));
         assert!(clean, "a clean error, not a cut connection or a hang: {r}");
+        let message = r["outcome"]["message"].as_str().unwrap_or("");
+        assert!(
+            message.contains(victim.as_str()) && !message.contains("h2") && !message.contains("protocol"),
+            "the error names the lost worker, not the transport library's words: {r}"
+        );
     }
 }

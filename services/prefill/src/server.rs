@@ -203,7 +203,6 @@ impl Service {
                 })
             }
             Err(e) => {
-                transport.forget(&ticket.dest_worker);
                 let why = format!("writing the KV to {} over {name} failed: {}", ticket.dest_worker, e.message());
                 let _ = broker.complete_ticket(fail(request_id, &why)).await;
                 Err(Status::unavailable(why))

@@ -24,8 +24,8 @@ pub struct Config {
     #[arg(long, env = "PDMESH_ROUTER_REQUEST_TIMEOUT_S", default_value_t = 600)]
     pub request_timeout_s: u64,
     /// Further prefill/decode pairs tried when a decode refuses, and further
-    /// dispatches when a prefill fails (worker died, broke or had no room),
-    /// before the first token.
+    /// dispatches when a prefill or decode worker fails (died, broke or had
+    /// no room), before the first token reached the caller.
     #[arg(long, env = "PDMESH_ROUTER_RETRIES", default_value_t = 1)]
     pub retries: u32,
     /// How a prefill worker is chosen: `cache-aware` (the worker whose

@@ -41,6 +41,16 @@ pub struct Pair {
     pub workers: [String; 2],
 }
 
+/// Workers a request's earlier dispatches failed on: passed over while
+/// others remain, tried again when none do.
+#[derive(Default)]
+pub struct Avoid {
+    /// Prefill workers' gRPC addresses.
+    pub prefill: Vec<String>,
+    /// Decode workers' gRPC addresses.
+    pub decode: Vec<String>,
+}
+
 pub type PrefillCall = AbortOnDrop<Result<tonic::Response<ppb::PrefillResponse>, Status>>;
 
 /// A request admitted by a decode worker, its prefill under way.
@@ -53,11 +63,13 @@ pub struct Dispatched {
     pub cached_tokens: u32,
     /// The prefill worker's address (None for a local prefill).
     pub prefill_addr: Option<String>,
+    /// The decode worker's address.
+    pub decode_addr: String,
 }
 
 impl Router {
     /// Dispatch `prompt` until a decode worker admits it, avoiding the
-    /// prefill workers in `avoid` while others (or local prefill) remain.
+    /// workers in `avoid` while others (or local prefill) remain.
     /// `ticket` holds the ticket id in use, so the caller can cancel it if
     /// the request fails.
     pub async fn dispatch(
@@ -65,15 +77,15 @@ impl Router {
         job: &Job,
         prompt: &[u32],
         ticket: &Mutex<String>,
-        avoid: &[String],
+        avoid: &Avoid,
     ) -> Result<Dispatched, Status> {
-        let mut tried_d: Vec<String> = Vec::new();
-        let mut tried_p: Vec<String> = avoid.to_vec();
+        let mut tried_d: Vec<String> = avoid.decode.clone();
+        let mut tried_p: Vec<String> = avoid.prefill.clone();
         let mut attempt = 0u32;
         loop {
             let ticket_id = self.ticket_id(&job.request_id, attempt);
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
-            let (d, p) = self.route(attempt, prompt, &tried_d, &mut tried_p).await?;
+            let (d, p) = self.route(attempt, prompt, &mut tried_d, &mut tried_p).await?;
             let (d_addr, d_id) = (d.inst.grpc_addr.clone(), d.inst.id.clone());
             let p_addr = p.as_ref().map(|p| p.inst.grpc_addr.clone());
             let e = match self.attempt(job, prompt, &ticket_id, d, p).await {
@@ -101,12 +113,12 @@ impl Router {
 
     /// The `route` span: a decode worker not yet tried, then where the
     /// prompt is prefilled: by that worker itself, or by a prefill worker
-    /// (every prefill may be tried again once all were).
+    /// (every decode or prefill worker may be tried again once all were).
     async fn route(
         &self,
         attempt: u32,
         prompt: &[u32],
-        tried_d: &[String],
+        tried_d: &mut Vec<String>,
         tried_p: &mut Vec<String>,
     ) -> Result<(Picked, Option<Picked>), Status> {
         let policy = self.policy.name();
@@ -114,7 +126,14 @@ impl Router {
             tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = policy, { attr::ROUTE_ATTEMPT } = attempt);
         let picked = async {
             let local_on = self.max_local_prefill > 0;
-            let d = self.pick(&self.decode, tried_d, local_on.then_some(prompt)).await?;
+            let local = local_on.then_some(prompt);
+            let d = match self.pick(&self.decode, tried_d, local).await {
+                Err(_) if !tried_d.is_empty() => {
+                    tried_d.clear();
+                    self.pick(&self.decode, tried_d, local).await?
+                }
+                d => d?,
+            };
             if self.prefill_mode(prompt, &d) == Mode::Local {
                 self.metrics.count_mode(Mode::Local);
                 return Ok((d, None));
@@ -247,6 +266,7 @@ impl Router {
                     },
                     cached_tokens,
                     prefill_addr,
+                    decode_addr: d.inst.grpc_addr,
                 })
             }
             Err(e) => {

@@ -1,31 +1,69 @@
 //! How a worker's failure reaches the router's caller: the worker's own
 //! verdict on the request (bad input, no KV room, deadline, cancelled)
 //! passes through as its code; anything else is the mesh's fault and
-//! becomes UNAVAILABLE, never a client error.
+//! becomes UNAVAILABLE, never a client error. A failure of the connection
+//! itself (the worker died, or could not be reached) is named as such,
+//! without the transport library's text: that stays on the span.
 
 use tonic::{Code, Status};
 
-/// A failed Prefill call.
-pub fn prefill_failure(e: Status) -> Status {
-    match e.code() {
-        Code::InvalidArgument => e,
-        Code::DeadlineExceeded => Status::deadline_exceeded(format!("prefill: {}", e.message())),
-        _ => Status::unavailable(format!("prefill worker failed: {}", e.message())),
+/// Whether `e` is the channel's own verdict (the connection to the worker
+/// broke or never opened) rather than a status the worker sent: tonic
+/// keeps the underlying error as the source only for the former. The
+/// call's own timeout (the request's deadline) is not a transport failure.
+pub fn is_transport(e: &Status) -> bool {
+    std::error::Error::source(e).is_some() && !timed_out(e)
+}
+
+/// Whether the call ended because its own timeout (set from the request's
+/// deadline) expired.
+fn timed_out(e: &Status) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if c.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
+/// The mesh's fault, as the caller sees it: which worker, and what happened.
+fn worker_fault(what: &str, worker: &str, lost: &str, e: &Status) -> Status {
+    if is_transport(e) {
+        Status::unavailable(format!("{what} {worker} {lost}"))
+    } else {
+        Status::unavailable(format!("{what} {worker} failed: {}", e.message()))
     }
 }
 
-/// A decode stream that failed after it admitted the request.
-pub fn decode_failure(e: Status) -> Status {
+/// A failed Prefill call on `worker`.
+pub fn prefill_failure(e: Status, worker: &str) -> Status {
     match e.code() {
+        _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed during its prefill"),
+        _ if is_transport(&e) => worker_fault("prefill worker", worker, "was lost mid-request", &e),
+        Code::InvalidArgument => e,
+        Code::DeadlineExceeded => Status::deadline_exceeded(format!("prefill: {}", e.message())),
+        _ => worker_fault("prefill worker", worker, "was lost mid-request", &e),
+    }
+}
+
+/// A decode stream on `worker` that failed after it admitted the request.
+pub fn decode_failure(e: Status, worker: &str) -> Status {
+    match e.code() {
+        _ if is_transport(&e) => worker_fault("decode worker", worker, "was lost mid-request", &e),
         Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Cancelled => e,
-        _ => Status::unavailable(format!("decode worker failed: {}", e.message())),
+        _ => worker_fault("decode worker", worker, "was lost mid-request", &e),
     }
 }
 
 /// A decode worker that refused to admit the request, after the last retry.
 pub fn decode_refusal(e: Status, worker: &str) -> Status {
     match e.code() {
-        Code::Unavailable => Status::unavailable(format!("decode worker {worker}: {}", e.message())),
+        _ if is_transport(&e) => worker_fault("decode worker", worker, "could not be reached", &e),
+        Code::Unavailable | Code::Internal | Code::Unknown => {
+            worker_fault("decode worker", worker, "could not be reached", &e)
+        }
         _ => e,
     }
 }
@@ -34,24 +72,53 @@ pub fn decode_refusal(e: Status, worker: &str) -> Status {
 /// worker (or locally): the worker died or broke, or had no room. Not the
 /// request's own fault, deadline or cancellation.
 pub fn prefill_retryable(e: &Status) -> bool {
-    matches!(e.code(), Code::Unavailable | Code::Internal | Code::Unknown | Code::Aborted | Code::ResourceExhausted)
+    is_transport(e)
+        || matches!(
+            e.code(),
+            Code::Unavailable | Code::Internal | Code::Unknown | Code::Aborted | Code::ResourceExhausted
+        )
+}
+
+/// Whether a decode stream that failed this way (already mapped by
+/// [`decode_failure`]) before any token reached the caller may succeed on
+/// another dispatch: the worker died or broke, not the request's fault.
+pub fn decode_retryable(e: &Status) -> bool {
+    e.code() == Code::Unavailable
 }
 
 /// Whether another decode worker may succeed where this one refused.
 pub fn retryable(e: &Status) -> bool {
-    matches!(e.code(), Code::ResourceExhausted | Code::Unavailable)
+    is_transport(e) || matches!(e.code(), Code::ResourceExhausted | Code::Unavailable)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A status as the channel makes it when the connection breaks: the
+    /// h2 error kept as its source.
+    fn broken(code: Code) -> Status {
+        #[derive(Debug)]
+        struct Cause(Status);
+        impl std::fmt::Display for Cause {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("h2 protocol error: error reading a body from connection")
+            }
+        }
+        impl std::error::Error for Cause {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        Status::from_error(Box::new(Cause(Status::new(code, "error reading a body from connection"))))
+    }
+
     #[test]
     fn worker_faults_are_never_the_clients_fault() {
-        assert_eq!(prefill_failure(Status::internal("x")).code(), Code::Unavailable);
-        assert_eq!(decode_failure(Status::failed_precondition("x")).code(), Code::Unavailable);
-        assert_eq!(decode_failure(Status::resource_exhausted("full")).code(), Code::ResourceExhausted);
-        assert_eq!(prefill_failure(Status::invalid_argument("bad id")).code(), Code::InvalidArgument);
+        assert_eq!(prefill_failure(Status::internal("x"), "p0").code(), Code::Unavailable);
+        assert_eq!(decode_failure(Status::failed_precondition("x"), "d0").code(), Code::Unavailable);
+        assert_eq!(decode_failure(Status::resource_exhausted("full"), "d0").code(), Code::ResourceExhausted);
+        assert_eq!(prefill_failure(Status::invalid_argument("bad id"), "p0").code(), Code::InvalidArgument);
         assert!(retryable(&Status::resource_exhausted("full")));
         assert!(!retryable(&Status::invalid_argument("bad")));
         assert!(prefill_retryable(&Status::unavailable("tcp connect error")));
@@ -59,5 +126,31 @@ mod tests {
         for c in [Code::InvalidArgument, Code::DeadlineExceeded, Code::Cancelled] {
             assert!(!prefill_retryable(&Status::new(c, "x")), "{c:?}");
         }
+    }
+
+    #[test]
+    fn a_broken_connection_is_named_without_library_text() {
+        let e = broken(Code::Unknown);
+        assert!(is_transport(&e), "{e:?}");
+        assert!(!is_transport(&Status::unavailable("KV transfer failed")));
+        let m = decode_failure(e.clone(), "decode-1");
+        assert_eq!(m.code(), Code::Unavailable);
+        assert_eq!(m.message(), "decode worker decode-1 was lost mid-request");
+        assert!(decode_retryable(&m));
+        assert_eq!(decode_refusal(e.clone(), "decode-1").message(), "decode worker decode-1 could not be reached");
+        assert_eq!(prefill_failure(e, "prefill-0").message(), "prefill worker prefill-0 was lost mid-request");
+        // A worker's own message is kept: it is ours, and says what failed.
+        let own = decode_failure(Status::unavailable("KV transfer failed: broker gone"), "decode-0");
+        assert_eq!(own.message(), "decode worker decode-0 failed: KV transfer failed: broker gone");
+        // A reset the dying peer sent is not the client's cancellation.
+        let reset = broken(Code::Cancelled);
+        assert!(is_transport(&reset));
+        assert_eq!(decode_failure(reset, "decode-0").code(), Code::Unavailable);
+        assert!(!decode_retryable(&Status::cancelled("client went away")));
+        assert!(!decode_retryable(&Status::deadline_exceeded("late")));
+        // The call's own timeout is the request's deadline, not a lost worker.
+        let late = Status::from_error(Box::new(tonic::TimeoutExpired(())));
+        assert!(!is_transport(&late));
+        assert_eq!(prefill_failure(late, "prefill-0").code(), Code::DeadlineExceeded);
     }
 }

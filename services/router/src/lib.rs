@@ -75,6 +75,11 @@ fn render(m: &Metrics, f: Format) -> String {
         "Requests dispatched again because their prefill failed before the first token.",
         m.prefill_retries.load(Ordering::Relaxed),
     );
+    t.counter(
+        "pdmesh_router_decode_retries_total",
+        "Requests dispatched again because their decode worker died or broke before the first token.",
+        m.decode_retries.load(Ordering::Relaxed),
+    );
     m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
     t.finish()
 }

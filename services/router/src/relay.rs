@@ -1,7 +1,8 @@
 //! Relay: decode tokens -> incremental detokenize -> stop strings -> the
-//! caller, then the finish with usage. A prefill failure seen while the
-//! tokens have not started ends the relay as [`Failed::Prefill`], which
-//! the caller may retry elsewhere.
+//! caller, then the finish with usage. A prefill or decode worker failure
+//! seen while no token has reached the caller ends the relay as
+//! [`Failed::Prefill`] or [`Failed::Decode`], which the caller may retry
+//! elsewhere.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -17,7 +18,7 @@ use tonic::Status;
 use tracing::Instrument;
 
 use crate::dispatch::{Dispatched, Pair};
-use crate::error::{decode_failure, prefill_failure, prefill_retryable};
+use crate::error::{decode_failure, decode_retryable, prefill_failure, prefill_retryable};
 use crate::server::{Router, Tx};
 use crate::stop::StopMatcher;
 
@@ -55,6 +56,9 @@ pub enum Failed {
     /// The prefill failed before any token reached the caller: another
     /// worker may still serve the request.
     Prefill(Status),
+    /// The decode worker died or broke before any token reached the
+    /// caller: another dispatch may still serve the request.
+    Decode(Status),
     Other(Status),
 }
 
@@ -75,6 +79,7 @@ impl Router {
         tx: &Tx,
     ) -> Result<(), Failed> {
         let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, .. } = d;
+        let [prefill_worker, decode_worker] = pair.workers.clone();
         let mut out = Out {
             detok: None,
             stops: StopMatcher::new(stop),
@@ -97,13 +102,23 @@ impl Router {
                         }
                         // Its answer lost after the KV went over: the tokens flow on.
                         Ok(Err(_)) if out.n_out > 0 => continue,
-                        Ok(Err(e)) if prefill_retryable(&e) => return Err(Failed::Prefill(prefill_failure(e))),
-                        Ok(Err(e)) => return Err(Failed::Other(prefill_failure(e))),
-                        Err(_) => return Err(Failed::Prefill(prefill_failure(Status::internal("prefill task failed")))),
+                        Ok(Err(e)) if prefill_retryable(&e) => {
+                            return Err(Failed::Prefill(prefill_failure(e, &prefill_worker)))
+                        }
+                        Ok(Err(e)) => return Err(Failed::Other(prefill_failure(e, &prefill_worker))),
+                        Err(_) => {
+                            let e = Status::internal("its call ended without an answer");
+                            return Err(Failed::Prefill(prefill_failure(e, &prefill_worker)));
+                        }
                     }
                 }
             };
-            match event(msg, &pair)? {
+            let ev = match event(msg, &pair, &decode_worker) {
+                Ok(ev) => ev,
+                Err(e) if out.n_out == 0 && decode_retryable(&e) => return Err(Failed::Decode(e)),
+                Err(e) => return Err(Failed::Other(e)),
+            };
+            match ev {
                 Some(dpb::generate_response::Event::Tokens(t)) => {
                     if self.on_tokens(&mut out, t.ids, tx).await? {
                         settle(prefill.take(), &mut out).await;
@@ -253,16 +268,17 @@ async fn settle(prefill: Option<crate::dispatch::PrefillCall>, out: &mut Out) {
 fn event(
     msg: Result<Option<dpb::GenerateResponse>, Status>,
     pair: &Pair,
+    worker: &str,
 ) -> Result<Option<dpb::generate_response::Event>, Status> {
     match msg {
         Ok(Some(m)) => Ok(m.event),
         Ok(None) => {
             telemetry::mark_error(pair.decode_rpc.span(), "stream ended without finishing");
-            Err(Status::unavailable("decode worker ended the stream without finishing"))
+            Err(Status::unavailable(format!("decode worker {worker} ended the stream without finishing")))
         }
         Err(e) => {
             telemetry::record_status(pair.decode_rpc.span(), Some(&e));
-            Err(decode_failure(e))
+            Err(decode_failure(e, worker))
         }
     }
 }

@@ -21,6 +21,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::dispatch::Avoid;
 use crate::load::Loads;
 use crate::relay::Failed;
 use crate::validate::{check_fits, validate, Input, Job};
@@ -47,6 +48,7 @@ pub struct Metrics {
     pub modes: [AtomicU64; 2],
     /// Dispatches repeated because a prefill failed before the first token.
     pub prefill_retries: AtomicU64,
+    pub decode_retries: AtomicU64,
 }
 
 impl Metrics {
@@ -188,33 +190,39 @@ impl Router {
 
     /// Run one validated request, sending events to `tx`. `ticket` holds
     /// the ticket id in use, so the caller can cancel it when this fails.
-    /// A prefill that fails before the first token is retried (up to
-    /// `--retries` times) on another prefill worker, or locally.
+    /// A prefill or decode worker that fails before the first token reached
+    /// the caller is avoided on another dispatch (up to `--retries` times).
     async fn run(&self, input: Input, job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
         let started = Instant::now();
         let (context, prompt) = self.tokenize(input).await?;
         check_fits(prompt.len(), job.max_tokens, context)?;
         let n_prompt = prompt.len() as u32;
-        let mut avoid: Vec<String> = Vec::new();
+        let mut avoid = Avoid::default();
         let mut retries = 0u32;
         loop {
             let dispatched = self.dispatch(&job, &prompt, ticket, &avoid).await?;
-            let prefill = dispatched.prefill_addr.clone();
-            match self.relay(dispatched, job.stop.clone(), n_prompt, started, tx).await {
+            let (prefill, decode) = (dispatched.prefill_addr.clone(), dispatched.decode_addr.clone());
+            let (e, counter, attr_key) = match self.relay(dispatched, job.stop.clone(), n_prompt, started, tx).await {
                 Ok(()) => return Ok(()),
                 Err(Failed::Other(e)) => return Err(e),
                 Err(Failed::Prefill(e)) => {
-                    if retries >= self.retries {
-                        return Err(e);
-                    }
-                    retries += 1;
-                    let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    self.cancel_ticket(&id, "prefill failed; retrying elsewhere").await;
-                    self.metrics.prefill_retries.fetch_add(1, Ordering::Relaxed);
-                    tracing::Span::current().set_attribute(attr::PREFILL_RETRIES, i64::from(retries));
-                    avoid.extend(prefill);
+                    avoid.prefill.extend(prefill);
+                    (e, &self.metrics.prefill_retries, attr::PREFILL_RETRIES)
                 }
+                Err(Failed::Decode(e)) => {
+                    avoid.decode.push(decode);
+                    (e, &self.metrics.decode_retries, attr::DECODE_RETRIES)
+                }
+            };
+            if retries >= self.retries {
+                return Err(e);
             }
+            retries += 1;
+            let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            self.cancel_ticket(&id, "a worker failed; retrying elsewhere").await;
+            counter.fetch_add(1, Ordering::Relaxed);
+            // The failed attempt's worker span holds the cause; this says it was retried.
+            tracing::Span::current().set_attribute(attr_key, i64::from(retries));
         }
     }
 

@@ -83,6 +83,35 @@ impl NixlDescriptor for Region {
     }
 }
 
+/// A remote agent loaded from its metadata.
+struct Remote {
+    md: Vec<u8>,
+    name: String,
+    /// Writes to it under way: it is not unloaded under them.
+    in_flight: usize,
+    /// A write to it failed: unload and load it afresh (a new connection)
+    /// once the writes under way have ended.
+    stale: bool,
+}
+
+/// A remote agent held for one write; released when dropped.
+struct Held<'a> {
+    nixl: &'a Nixl,
+    worker: String,
+    name: String,
+    failed: bool,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut m = self.nixl.remotes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = m.get_mut(&self.worker).filter(|r| r.name == self.name) {
+            r.in_flight -= 1;
+            r.stale |= self.failed;
+        }
+    }
+}
+
 /// A NIXL agent with this worker's KV arena registered.
 pub struct Nixl {
     agent: Agent,
@@ -90,7 +119,7 @@ pub struct Nixl {
     pub arena_addr: usize,
     pub arena_len: usize,
     /// Remote agents loaded from their metadata, by worker id.
-    remotes: Mutex<HashMap<String, (Vec<u8>, String)>>,
+    remotes: Mutex<HashMap<String, Remote>>,
 }
 
 impl Nixl {
@@ -119,26 +148,23 @@ impl Nixl {
         self.agent.get_local_md().map_err(|e| format!("NIXL metadata: {e}"))
     }
 
-    /// The remote agent's name, loading (or reloading, when it changed:
-    /// a restarted worker) its metadata.
-    fn remote(&self, worker: &str, md: &[u8]) -> Result<String, String> {
+    /// The remote agent of `worker`, held for one write: loaded from `md`,
+    /// or loaded again when `md` changed (a restarted worker) or an
+    /// earlier write failed and no other write to it is under way. A
+    /// failed write never unloads the agent under another thread's write.
+    fn hold(&self, worker: &str, md: &[u8]) -> Result<Held<'_>, String> {
         let mut m = self.remotes.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((known, name)) = m.get(worker) {
-            if known == md {
-                return Ok(name.clone());
+        let reusable = m.get(worker).is_some_and(|r| r.md == md && !(r.stale && r.in_flight == 0));
+        if !reusable {
+            if let Some(old) = m.remove(worker) {
+                let _ = self.agent.invalidate_remote_md(&old.name);
             }
-            let _ = self.agent.invalidate_remote_md(name);
+            let name = self.agent.load_remote_md(md).map_err(|e| format!("NIXL load metadata of {worker}: {e}"))?;
+            m.insert(worker.into(), Remote { md: md.to_vec(), name, in_flight: 0, stale: false });
         }
-        let name = self.agent.load_remote_md(md).map_err(|e| format!("NIXL load metadata of {worker}: {e}"))?;
-        m.insert(worker.into(), (md.to_vec(), name.clone()));
-        Ok(name)
-    }
-
-    /// Forget a remote (after a failed transfer).
-    pub fn forget(&self, worker: &str) {
-        if let Some((_, name)) = self.remotes.lock().unwrap_or_else(|e| e.into_inner()).remove(worker) {
-            let _ = self.agent.invalidate_remote_md(&name);
-        }
+        let r = m.get_mut(worker).expect("just ensured");
+        r.in_flight += 1;
+        Ok(Held { nixl: self, worker: worker.into(), name: r.name.clone(), failed: false })
     }
 
     /// WRITE `src` blocks of the local arena into `dst` blocks of the
@@ -160,7 +186,24 @@ impl Nixl {
         if src.len() != dst.len() {
             return Err(format!("{} source blocks for {} destination blocks", src.len(), dst.len()));
         }
-        let remote = self.remote(worker, md)?;
+        let mut held = self.hold(worker, md)?;
+        let r = self.post_and_wait(&held.name, src, dst, remote_addr, remote_len, block_bytes, note, timeout);
+        held.failed = r.is_err();
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_and_wait(
+        &self,
+        remote: &str,
+        src: &[u32],
+        dst: &[u32],
+        remote_addr: usize,
+        remote_len: usize,
+        block_bytes: usize,
+        note: &str,
+        timeout: Duration,
+    ) -> Result<u64, String> {
         let mut local = XferDescList::new(MemType::Dram).map_err(|e| e.to_string())?;
         let mut far = XferDescList::new(MemType::Dram).map_err(|e| e.to_string())?;
         for (s, d) in src.iter().zip(dst) {
@@ -176,7 +219,7 @@ impl Nixl {
         opt.set_has_notification(true).map_err(|e| e.to_string())?;
         let req = self
             .agent
-            .create_xfer_req(XferOp::Write, &local, &far, &remote, Some(&opt))
+            .create_xfer_req(XferOp::Write, &local, &far, remote, Some(&opt))
             .map_err(|e| format!("NIXL transfer request: {e}"))?;
         let t0 = Instant::now();
         let mut in_progress = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| format!("NIXL post: {e}"))?;
@@ -202,8 +245,11 @@ impl Nixl {
     }
 }
 
-/// Poll `nixl`'s progress on a thread while `busy()` says transfers are
-/// expected (every 1 ms), else every 20 ms, until `stop` is set.
+/// Poll `nixl`'s progress on a thread, every 1 ms while `busy()` says
+/// transfers are expected, else every 10 ms, until `stop` is set. Idle
+/// polls matter too: a write for a request cancelled meanwhile still
+/// lands, and its notification must be taken off the connection, or the
+/// writer's next transfers wait behind it.
 pub fn spawn_progress(
     nixl: std::sync::Arc<Nixl>,
     busy: impl Fn() -> bool + Send + 'static,
@@ -214,11 +260,8 @@ pub fn spawn_progress(
         .spawn(move || {
             let Ok(mut map) = NotificationMap::new() else { return };
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let b = busy();
-                if b {
-                    nixl.progress(&mut map);
-                }
-                std::thread::sleep(Duration::from_millis(if b { 1 } else { 20 }));
+                nixl.progress(&mut map);
+                std::thread::sleep(Duration::from_millis(if busy() { 1 } else { 10 }));
             }
         })
         .expect("spawn nixl progress thread");

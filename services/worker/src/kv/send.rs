@@ -36,9 +36,9 @@ pub trait KvTransport: Send + Sync {
     fn reaches(&self, agent: &kpb::Agent) -> bool;
     /// Write the pinned prompt KV into the ticket's destination blocks;
     /// returns the bytes moved.
+    /// A failed write leaves the transport able to write to the worker again
+    /// (NIXL loads its agent afresh once no write to it is under way).
     async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, src: &dyn KvSource) -> Result<u64, Status>;
-    /// Drop cached state about a worker after a failed write.
-    fn forget(&self, _worker: &str) {}
 }
 
 pub struct NixlTransport {
@@ -91,10 +91,6 @@ impl KvTransport for NixlTransport {
         .await
         .map_err(|e| Status::internal(e.to_string()))?
         .map_err(Status::unavailable)
-    }
-
-    fn forget(&self, worker: &str) {
-        self.nixl.forget(worker);
     }
 }
 
