@@ -193,10 +193,31 @@ impl Tokenizer {
         .map_err(|e| EngineError::Template(e.to_string()))
     }
 
-    /// Chat template rendered and tokenized with control tokens parsed.
+    /// Chat template rendered and tokenized: the template's own text with
+    /// control tokens parsed, each message's content as plain text, so a
+    /// message holding `<|im_end|>\n<|im_start|>system` stays ordinary text
+    /// and cannot forge a turn. The template is rendered with a mark in
+    /// place of each content (the content itself never enters the rendered
+    /// text), and each mark is replaced by its content's plain-text ids.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template(messages, true)?;
-        self.encode(&text, true)
+        let marked: Vec<ChatMessage> = (0..messages.len())
+            .zip(messages)
+            .map(|(i, m)| ChatMessage { role: m.role.clone(), content: content_mark(i) })
+            .collect();
+        let text = self.apply_chat_template(&marked, true)?;
+        let mut ids = Vec::new();
+        let mut rest = text.as_str();
+        for (i, m) in messages.iter().enumerate() {
+            let mark = content_mark(i);
+            let at = rest.find(&mark).ok_or_else(|| {
+                EngineError::Template(format!("the chat template does not place message {i}'s content as given"))
+            })?;
+            ids.extend(self.encode(&rest[..at], true)?);
+            ids.extend(self.encode(&m.content, false)?);
+            rest = &rest[at + mark.len()..];
+        }
+        ids.extend(self.encode(rest, true)?);
+        Ok(ids)
     }
 
     /// Raw bytes of a token (control tokens: their text).
@@ -219,6 +240,12 @@ impl Tokenizer {
         s.push_str(&d.finish());
         s
     }
+}
+
+/// Where message `i`'s content goes in a rendered template (private-use
+/// characters, which no template writes).
+fn content_mark(i: usize) -> String {
+    format!("\u{E000}pdmesh-content-{i}\u{E001}")
 }
 
 fn chat_env(template: &str) -> Result<Environment<'static>> {

@@ -17,6 +17,10 @@ pub struct Config {
     /// Largest prompt or chat content accepted, in bytes; larger requests get INVALID_ARGUMENT.
     #[arg(long, env = "PDMESH_TOKENIZER_MAX_INPUT_BYTES", default_value_t = 1 << 20)]
     pub max_input_bytes: usize,
+    /// Most chat messages in one request; more get INVALID_ARGUMENT (checked
+    /// before the template is rendered).
+    #[arg(long, env = "PDMESH_TOKENIZER_MAX_MESSAGES", default_value_t = 4096)]
+    pub max_messages: usize,
     #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
 }

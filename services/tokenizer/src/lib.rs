@@ -66,7 +66,13 @@ pub async fn serve(
     .await
     .map_err(|e| ServeError::Setup(e.to_string()))?
     .map_err(|e| ServeError::Setup(e.to_string()))?;
-    let svc = server::Service { tok: Arc::new(tok), info, max_input_bytes: config.max_input_bytes, metrics };
+    let svc = server::Service {
+        tok: Arc::new(tok),
+        info,
+        max_input_bytes: config.max_input_bytes,
+        max_messages: config.max_messages,
+        metrics,
+    };
     let routes = tonic::service::Routes::new(pb::tokenizer_server::TokenizerServer::new(svc));
     let grpc = Grpc { service: "tokenizer", name: "pdmesh.tokenizer.v1.Tokenizer", routes };
     serve_grpc(admin, &config.common, grpc, listener, shutdown, std::future::ready(())).await

@@ -20,8 +20,13 @@ pub struct Service {
     pub tok: Arc<Tokenizer>,
     pub info: pb::InfoResponse,
     pub max_input_bytes: usize,
+    pub max_messages: usize,
     pub metrics: Arc<Metrics>,
 }
+
+/// Bytes a chat message is counted as beyond its content and role: the
+/// template's text around it, so that many empty messages count too.
+const MESSAGE_OVERHEAD_BYTES: usize = 16;
 
 impl Service {
     fn check_size(&self, size: usize) -> Result<(), Error> {
@@ -29,6 +34,15 @@ impl Service {
             return Err(Error::TooLarge { size, limit: self.max_input_bytes });
         }
         Ok(())
+    }
+
+    /// Bounds on a chat, checked before its template is rendered.
+    fn check_chat(&self, chat: &pb::ChatMessages) -> Result<(), Error> {
+        let n = chat.messages.len();
+        if n > self.max_messages {
+            return Err(Error::TooManyMessages { n, limit: self.max_messages });
+        }
+        self.check_size(chat.messages.iter().map(|m| m.content.len() + m.role.len() + MESSAGE_OVERHEAD_BYTES).sum())
     }
 }
 
@@ -90,7 +104,7 @@ impl Service {
                     .map_err(|e| Status::internal(e.to_string()))?
             }
             Some(pb::encode_request::Input::Chat(chat)) => {
-                self.check_size(chat.messages.iter().map(|m| m.content.len()).sum())?;
+                self.check_chat(&chat)?;
                 let msgs: Vec<ChatMessage> =
                     chat.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
                 tokio::task::spawn_blocking(move || tok.encode_chat(&msgs))

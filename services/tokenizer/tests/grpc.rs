@@ -13,6 +13,7 @@ async fn boot_with(common: pdmesh_core::args::CommonArgs) -> pdmesh_testkit::Run
             model: Some(model),
             cache: Default::default(),
             max_input_bytes: 4096,
+            max_messages: 1000,
             common,
         };
         pdmesh_tokenizer::serve(cfg, listener, stop)
@@ -96,6 +97,19 @@ async fn bad_input_is_invalid_argument() {
     let e = c.encode(big).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("limit is 4096"), "{}", e.message());
+    // Many messages: refused by count, and empty ones still count towards the size.
+    let many = |n: usize| pb::EncodeRequest {
+        input: Some(pb::encode_request::Input::Chat(pb::ChatMessages {
+            messages: vec![pb::ChatMessage { role: "user".into(), content: String::new() }; n],
+        })),
+        parse_special: false,
+    };
+    let e = c.encode(many(1001)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("1001 chat messages; the limit is 1000"), "{}", e.message());
+    let e = c.encode(many(300)).await.unwrap_err();
+    assert!(e.message().contains("6000 bytes; the limit is 4096"), "300 empty messages: {}", e.message());
+    assert!(c.encode(many(50)).await.is_ok());
     let bad = pb::DetokenizeRequest { ids: vec![1_000_000], render_special: false };
     let mut s = c.detokenize(tokio_stream::iter(vec![bad])).await.unwrap().into_inner();
     assert_eq!(s.message().await.unwrap_err().code(), Code::InvalidArgument);
