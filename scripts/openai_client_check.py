@@ -5,14 +5,75 @@ Checks chat and completions, streaming and not, /v1/models, and that errors
 arrive as the client's typed exceptions. Greedy chat output must equal the
 golden (llama.cpp) text. Exits non-zero with a message on the first failure.
 
+With --api-key (the gateway started with --api-keys-file KEYS, holding
+that key with concurrency=2 and --limited-key with rpm=1), it also checks
+401 without a key or with a wrong one, 429 with Retry-After over a key's
+limits, and that removing the key from KEYS revokes it within seconds.
+
     python3 scripts/openai_client_check.py --base-url http://127.0.0.1:8080/v1 \
         --golden services/engine/tests/data/smollm2.golden.json
 """
 import argparse
 import json
 import sys
+import time
+import urllib.error
+import urllib.request
 
 import openai
+
+
+def check_keys(a, client) -> dict:
+    """401, 429 and revocation, as the official client sees them."""
+    msgs = [{"role": "user", "content": "hi"}]
+    # No Authorization header at all (the client always sends one).
+    req = urllib.request.Request(a.base_url + "/models")
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("a request without a key was served")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        assert e.code == 401 and body["error"]["code"] == "missing_api_key", (e.code, body)
+    wrong = openai.OpenAI(base_url=a.base_url, api_key="not-a-key", max_retries=0, timeout=120)
+    try:
+        wrong.chat.completions.create(model=a.model, messages=msgs, max_tokens=1)
+        raise AssertionError("a wrong key was served")
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401 and "invalid" in str(e), e
+    # Requests per minute: the limited key's second request is refused.
+    limited = openai.OpenAI(base_url=a.base_url, api_key=a.limited_key, max_retries=0, timeout=120)
+    limited.chat.completions.create(model=a.model, messages=msgs, max_tokens=1)
+    try:
+        limited.chat.completions.create(model=a.model, messages=msgs, max_tokens=1)
+        raise AssertionError("a key over its requests per minute was served")
+    except openai.RateLimitError as e:
+        retry = int(e.response.headers["retry-after"])
+        assert 1 <= retry <= 60, retry
+    # Concurrency: two streams held open, the third request is refused.
+    time.sleep(0.5)
+    held = [client.chat.completions.create(model=a.model, messages=msgs, max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True}) for _ in range(2)]
+    for s in held:
+        next(iter(s))
+    try:
+        client.chat.completions.create(model=a.model, messages=msgs, max_tokens=1)
+        raise AssertionError("a key over its concurrency was served")
+    except openai.RateLimitError as e:
+        assert "in flight" in str(e), e
+    for s in held:
+        s.close()
+    # Revocation: the key leaves the file, and is refused within seconds.
+    with open(a.keys_file, "w") as f:
+        f.write(f"{a.limited_key} rpm=1\n")
+    t0 = time.time()
+    while True:
+        try:
+            client.models.list()
+        except openai.AuthenticationError:
+            break
+        assert time.time() - t0 < 10, "the removed key still works after 10 s"
+        time.sleep(0.2)
+    return {"revoked_after_s": round(time.time() - t0, 2)}
 
 
 def main() -> int:
@@ -20,8 +81,11 @@ def main() -> int:
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--golden", required=True)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--api-key", default="unused")
+    ap.add_argument("--limited-key")
+    ap.add_argument("--keys-file")
     a = ap.parse_args()
-    client = openai.OpenAI(base_url=a.base_url, api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=120)
     golden = json.load(open(a.golden))
 
     models = [m.id for m in client.models.list()]
@@ -77,7 +141,8 @@ def main() -> int:
         raise AssertionError("empty messages accepted")
     except openai.BadRequestError as e:
         assert "messages" in str(e), e
-    print(json.dumps({"openai_version": openai.__version__, "checks": "passed"}))
+    keys = check_keys(a, client) if a.keys_file else None
+    print(json.dumps({"openai_version": openai.__version__, "keys": keys, "checks": "passed"}))
     return 0
 
 

@@ -224,11 +224,13 @@ pub enum Outcome {
     Unavailable,
     NotFound,
     FailedPrecondition,
+    /// No valid credentials (HTTP 401).
+    Unauthenticated,
     Internal,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Ok,
         Outcome::InvalidArgument,
         Outcome::ResourceExhausted,
@@ -237,6 +239,7 @@ impl Outcome {
         Outcome::Unavailable,
         Outcome::NotFound,
         Outcome::FailedPrecondition,
+        Outcome::Unauthenticated,
         Outcome::Internal,
     ];
 
@@ -251,6 +254,7 @@ impl Outcome {
             Outcome::Unavailable => "unavailable",
             Outcome::NotFound => "not_found",
             Outcome::FailedPrecondition => "failed_precondition",
+            Outcome::Unauthenticated => "unauthenticated",
             Outcome::Internal => "internal",
         }
     }
@@ -266,6 +270,7 @@ impl Outcome {
             Unavailable => Outcome::Unavailable,
             NotFound => Outcome::NotFound,
             FailedPrecondition => Outcome::FailedPrecondition,
+            Unauthenticated | PermissionDenied => Outcome::Unauthenticated,
             _ => Outcome::Internal,
         }
     }
@@ -277,6 +282,7 @@ impl Outcome {
             200..=299 => Outcome::Ok,
             400 | 405 | 413 | 422 => Outcome::InvalidArgument,
             404 => Outcome::NotFound,
+            401 | 403 => Outcome::Unauthenticated,
             429 => Outcome::ResourceExhausted,
             499 => Outcome::Cancelled,
             503 => Outcome::Unavailable,
@@ -289,7 +295,7 @@ impl Outcome {
 /// Counters of finished requests by [`Outcome`].
 #[derive(Default)]
 pub struct Outcomes {
-    counts: [AtomicU64; 9],
+    counts: [AtomicU64; Outcome::ALL.len()],
 }
 
 impl Outcomes {

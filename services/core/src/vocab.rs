@@ -99,6 +99,8 @@ pub mod attr {
     pub const CLIENT_WAIT_MS: &str = "gateway.client_wait_ms";
     pub const CLIENT_TAIL_MS: &str = "gateway.client_tail_ms";
     pub const CHUNKS: &str = "gateway.chunks";
+    /// Gateway: the name of the API key the request came with (never the key).
+    pub const API_KEY_NAME: &str = "gateway.api_key";
 
     // Router: `route` (each key is prefixed by the worker kind: `prefill.`, `decode.`).
     pub const ROUTE_POLICY: &str = "policy";

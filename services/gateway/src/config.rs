@@ -36,5 +36,24 @@ pub struct Config {
     #[arg(long, env = "PDMESH_GATEWAY_DEFAULT_MAX_TOKENS", default_value_t = 256)]
     pub default_max_tokens: u32,
     #[command(flatten)]
+    pub keys: KeyArgs,
+    #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
+}
+
+/// API keys (see `auth`): without `--api-keys-file`, no key is asked for.
+#[derive(clap::Args, Clone, Debug, Default, serde::Serialize)]
+pub struct KeyArgs {
+    /// File of API keys, one per line: the key or `sha256:<hex>` of it,
+    /// then optionally `name=`, `concurrency=`, `rpm=`. Read again within a
+    /// second of changing. Requests to /v1/* then need `Authorization:
+    /// Bearer KEY` (401 without a known key, 429 over its limits).
+    #[arg(long, env = "PDMESH_GATEWAY_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// Default cap on one key's requests in flight (0 = none).
+    #[arg(long, env = "PDMESH_GATEWAY_KEY_MAX_CONCURRENCY", default_value_t = 0)]
+    pub key_max_concurrency: u32,
+    /// Default cap on one key's requests per minute (0 = none).
+    #[arg(long, env = "PDMESH_GATEWAY_KEY_RPM", default_value_t = 0)]
+    pub key_rpm: u32,
 }

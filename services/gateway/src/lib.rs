@@ -5,6 +5,7 @@
 //! room, 503 no healthy worker, 504 deadline. A client that disconnects
 //! cancels its request all the way down to the decode worker.
 
+pub mod auth;
 pub mod config;
 pub mod openai;
 
@@ -41,6 +42,8 @@ pub struct Gateway {
     next_id: AtomicU64,
     outcomes: Outcomes,
     e2e: Histogram,
+    /// API keys, with `--api-keys-file`.
+    keys: Option<Arc<auth::Keys>>,
 }
 
 fn render(g: &Gateway, f: Format) -> String {
@@ -52,6 +55,23 @@ fn render(g: &Gateway, f: Format) -> String {
             &g.e2e,
         );
     g.outcomes.render(&mut t, "pdmesh_gateway_requests_total", "Finished API requests by outcome.");
+    if let Some(k) = &g.keys {
+        t.gauge("pdmesh_gateway_api_keys", "API keys in force.", k.count() as f64);
+        let refused = k.refused_counts();
+        let v: Vec<(&str, f64)> = refused.iter().map(|(l, n)| (l.as_str(), *n as f64)).collect();
+        t.labelled(
+            "pdmesh_gateway_auth_refused_total",
+            "counter",
+            "Requests refused at the front door, by reason: missing_key, invalid_key (401), rate, concurrency (429).",
+            "reason",
+            &v,
+        );
+        t.counter(
+            "pdmesh_gateway_api_keys_reload_errors_total",
+            "Versions of the API keys file that did not parse (the last good keys stayed in force).",
+            k.reload_errors.load(Ordering::Relaxed),
+        );
+    }
     t.finish()
 }
 
@@ -81,6 +101,37 @@ fn http_of(s: &tonic::Status) -> (u16, &'static str, &'static str) {
         Cancelled => (499, "cancelled", "cancelled"),
         _ => (500, "internal_error", "internal"),
     }
+}
+
+/// 401 or 429 (with `Retry-After`) for a request the API keys refused.
+fn refused_response(r: &auth::Refused) -> Response {
+    use auth::Refused::*;
+    let mut resp = match r {
+        Missing => error_body(
+            401,
+            "no API key: send it as `Authorization: Bearer KEY`",
+            "invalid_request_error",
+            None,
+            Some("missing_api_key"),
+        ),
+        Invalid => {
+            error_body(401, "invalid or revoked API key", "invalid_request_error", None, Some("invalid_api_key"))
+        }
+        Rate { retry_after_s } => {
+            let msg = format!("this API key's requests per minute are spent; retry in {retry_after_s} s");
+            let mut r = error_body(429, &msg, "rate_limit_error", None, Some("rate_limit_exceeded"));
+            r.headers_mut().insert(header::RETRY_AFTER, (*retry_after_s).into());
+            return r;
+        }
+        Concurrency { limit } => {
+            let msg = format!("this API key already has {limit} request(s) in flight, its limit");
+            error_body(429, &msg, "rate_limit_error", None, Some("concurrency_limit_exceeded"))
+        }
+    };
+    if matches!(r, Concurrency { .. }) {
+        resp.headers_mut().insert(header::RETRY_AFTER, 1u64.into());
+    }
+    resp
 }
 
 fn status_response(s: &tonic::Status) -> Response {
@@ -117,6 +168,8 @@ struct Tracked {
     span: tracing::Span,
     /// How long data waited for the client to take it.
     wait: ClientWait,
+    /// The API key's hold on one of its requests in flight.
+    key: Option<auth::Admitted>,
 }
 
 impl Drop for Tracked {
@@ -238,8 +291,23 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind) 
         t0: std::time::Instant::now(),
         span: span.clone(),
         wait: ClientWait::default(),
+        key: None,
     };
-    let (mut r, sse) = match respond(&g, headers, body, kind).instrument(span.clone()).await {
+    let admitted = match &g.keys {
+        Some(k) => k.admit(&headers).map(Some),
+        None => Ok(None),
+    };
+    let reply = match admitted {
+        Err(refused) => Reply::Done(refused_response(&refused)),
+        Ok(key) => {
+            if let Some(k) = &key {
+                span.set_attribute(attr::API_KEY_NAME, k.name().to_string());
+            }
+            tracked.key = key;
+            respond(&g, headers, body, kind).instrument(span.clone()).await
+        }
+    };
+    let (mut r, sse) = match reply {
         Reply::Done(r) => (r, None),
         Reply::Sse(rx) => (
             (StatusCode::OK, [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")])
@@ -570,7 +638,10 @@ impl Timed {
     }
 }
 
-async fn models(State(g): State<Arc<Gateway>>) -> Response {
+async fn models(State(g): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
+    if let Some(Err(refused)) = g.keys.as_ref().map(|k| k.verify(&headers)) {
+        return refused_response(&refused);
+    }
     let body = json!({ "object": "list", "data": [{ "id": g.config.model_name, "object": "model", "created": 0, "owned_by": "pdmesh" }] });
     ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
@@ -598,6 +669,18 @@ async fn not_found() -> Response {
     )
 }
 
+/// The API keys of `--api-keys-file`, followed for changes every second.
+fn load_keys(config: &Config) -> Result<Option<Arc<auth::Keys>>, ServeError> {
+    let Some(file) = &config.keys.api_keys_file else { return Ok(None) };
+    let defaults = auth::Limits { concurrency: config.keys.key_max_concurrency, rpm: config.keys.key_rpm };
+    let keys = Arc::new(auth::Keys::load(file, defaults).map_err(ServeError::Setup)?);
+    if keys.count() == 0 {
+        eprintln!("pdmesh-gateway: {} holds no API key: every /v1 request gets 401", file.display());
+    }
+    keys.clone().follow(Duration::from_secs(1));
+    Ok(Some(keys))
+}
+
 /// Serve the OpenAI API on `listener` until `shutdown` resolves.
 pub async fn serve(
     config: Config,
@@ -612,6 +695,7 @@ pub async fn serve(
         next_id: AtomicU64::new(0),
         outcomes: Outcomes::default(),
         e2e: Histogram::latency(),
+        keys: load_keys(&config)?,
     });
     let g2 = g.clone();
     let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move |f| render(&g2, f)));

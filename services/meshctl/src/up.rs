@@ -12,6 +12,11 @@ pub struct Args {
     /// Where the OpenAI-compatible gateway listens.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub gateway_addr: String,
+    /// API keys file passed to the gateway (see `pdmesh-gateway
+    /// --api-keys-file`; per-key limits go on each key's line). Without
+    /// it, the gateway asks for no key.
+    #[arg(long)]
+    pub api_keys_file: Option<PathBuf>,
     /// GGUF model file. Default: the cached SmolLM2 model, fetched now if missing.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -221,7 +226,13 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
             args
         }
         // The socket meshctl holds (see `Ctx::gateway_socket`).
-        "gateway" => vec!["--listen-fd".into(), crate::process::INHERITED_FD.to_string()],
+        "gateway" => {
+            let mut args = vec!["--listen-fd".into(), crate::process::INHERITED_FD.to_string()];
+            if let Some(f) = &a.api_keys_file {
+                args.extend(["--api-keys-file".into(), f.display().to_string()]);
+            }
+            args
+        }
         "router" => vec![
             "--policy".into(),
             a.router_policy.clone(),
@@ -343,7 +354,12 @@ impl Ctx {
     }
 }
 
-async fn context(a: Args) -> Result<Ctx, String> {
+async fn context(mut a: Args) -> Result<Ctx, String> {
+    if let Some(f) = &a.api_keys_file {
+        // The gateway runs elsewhere in time (restarts): give it an absolute path.
+        let abs = std::fs::canonicalize(f).map_err(|e| format!("cannot read --api-keys-file {}: {e}", f.display()))?;
+        a.api_keys_file = Some(abs);
+    }
     if !(0..=19).contains(&a.prefill_nice) {
         return Err(format!("--prefill-nice must be 0..=19, got {}", a.prefill_nice));
     }
