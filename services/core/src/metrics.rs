@@ -280,7 +280,7 @@ impl Outcome {
     pub fn of_http(status: u16) -> Outcome {
         match status {
             200..=299 => Outcome::Ok,
-            400 | 405 | 413 | 422 => Outcome::InvalidArgument,
+            400 | 405 | 408 | 413 | 422 => Outcome::InvalidArgument,
             404 => Outcome::NotFound,
             401 | 403 => Outcome::Unauthenticated,
             429 => Outcome::ResourceExhausted,

@@ -38,6 +38,8 @@ pub struct Config {
     #[command(flatten)]
     pub keys: KeyArgs,
     #[command(flatten)]
+    pub front: crate::front::FrontArgs,
+    #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
 }
 

@@ -7,9 +7,10 @@
 
 pub mod auth;
 pub mod config;
+pub mod front;
 pub mod openai;
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -44,6 +45,7 @@ pub struct Gateway {
     e2e: Histogram,
     /// API keys, with `--api-keys-file`.
     keys: Option<Arc<auth::Keys>>,
+    conns: Arc<front::ConnStats>,
 }
 
 fn render(g: &Gateway, f: Format) -> String {
@@ -55,6 +57,12 @@ fn render(g: &Gateway, f: Format) -> String {
             &g.e2e,
         );
     g.outcomes.render(&mut t, "pdmesh_gateway_requests_total", "Finished API requests by outcome.");
+    t.gauge("pdmesh_gateway_connections", "Client connections open.", g.conns.open.load(Ordering::Relaxed) as f64);
+    t.counter(
+        "pdmesh_gateway_connections_refused_total",
+        "Client connections answered 503 and closed because --max-connections were open.",
+        g.conns.refused.load(Ordering::Relaxed),
+    );
     if let Some(k) = &g.keys {
         t.gauge("pdmesh_gateway_api_keys", "API keys in force.", k.count() as f64);
         let refused = k.refused_counts();
@@ -229,20 +237,22 @@ type ReqBody = Result<Bytes, Response>;
 
 async fn completions(State(g): State<Arc<Gateway>>, req: axum::extract::Request) -> Response {
     let (parts, body) = req.into_parts();
-    let body = read_body(&parts.headers, body, g.config.max_body_bytes).await;
+    let body = read_body(&parts.headers, body, &g.config).await;
     handle(g, parts.headers, body, Kind::Completion).await
 }
 
 async fn chat(State(g): State<Arc<Gateway>>, req: axum::extract::Request) -> Response {
     let (parts, body) = req.into_parts();
-    let body = read_body(&parts.headers, body, g.config.max_body_bytes).await;
+    let body = read_body(&parts.headers, body, &g.config).await;
     handle(g, parts.headers, body, Kind::Chat).await
 }
 
-/// Read at most `limit` bytes of body. A body declared larger is refused
-/// before any of it is read.
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> ReqBody {
+/// Read at most `--max-body-bytes` of body within `--body-timeout-s`. A
+/// body declared larger is refused before any of it is read; one that
+/// does not arrive in time gets 408.
+async fn read_body(headers: &HeaderMap, body: Body, config: &Config) -> ReqBody {
     use http_body_util::BodyExt;
+    let limit = config.max_body_bytes;
     let too_large = || {
         let msg = format!("request body is larger than the limit of {limit} bytes");
         error_body(413, &msg, "invalid_request_error", None, Some("request_too_large"))
@@ -251,7 +261,12 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> ReqBody {
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    match http_body_util::Limited::new(body, limit).collect().await {
+    let within = config.front.body_timeout();
+    let Ok(read) = tokio::time::timeout(within, http_body_util::Limited::new(body, limit).collect()).await else {
+        let msg = format!("request body not received within {} s", within.as_secs_f64());
+        return Err(error_body(408, &msg, "invalid_request_error", None, Some("request_timeout")));
+    };
+    match read {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
         Err(e) => {
@@ -696,7 +711,9 @@ pub async fn serve(
         outcomes: Outcomes::default(),
         e2e: Histogram::latency(),
         keys: load_keys(&config)?,
+        conns: Arc::default(),
     });
+    config.front.check().map_err(ServeError::Setup)?;
     let g2 = g.clone();
     let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move |f| render(&g2, f)));
     let admin = Admin::start(&config.common, admin).await?;
@@ -711,17 +728,10 @@ pub async fn serve(
     let addr = listener.local_addr()?;
     // Serve at once (requests get 503 until a router appears); ready and
     // announced once a router is reachable.
-    // TCP_NODELAY: SSE chunks are small; without it each waits on a delayed ACK.
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = stopped.await;
-        })
-        .into_future();
+    let server = front::serve(listener, app, config.front.clone(), g.conns.clone(), async {
+        let _ = stopped.await;
+    });
     tokio::pin!(server);
     tokio::pin!(shutdown);
     let announced = tokio::select! {

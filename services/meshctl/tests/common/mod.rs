@@ -37,6 +37,13 @@ impl Mesh {
     /// unless `extra` sets `--max-local-prefill`: most tests are about the
     /// disaggregated path (transfers, tickets, prefill scheduling).
     pub fn up(extra: &[&str]) -> Mesh {
+        Mesh::up_env(extra, &[])
+    }
+
+    /// [`Mesh::up`] with environment variables for meshctl and the
+    /// services it starts (flags meshctl does not pass on, such as the
+    /// gateway's `PDMESH_GATEWAY_*`).
+    pub fn up_env(extra: &[&str], env: &[(&str, &str)]) -> Mesh {
         let remote: &[&str] = if extra.contains(&"--max-local-prefill") { &[] } else { &["--max-local-prefill", "0"] };
         // Stopping a mesh drains every service: a short notice keeps test
         // teardown quick (routers' watches poll every 0.3 s); drain tests set their own.
@@ -55,6 +62,7 @@ impl Mesh {
             .args(remote)
             .args(notice)
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
