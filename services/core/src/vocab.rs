@@ -6,6 +6,11 @@
 //! Internal spans are short snake_case verbs; attribute keys are dotted
 //! (`kv.bytes`, `decode.running`), OpenTelemetry's own keys where one exists.
 
+/// gRPC response metadata a service sets on RESOURCE_EXHAUSTED to say
+/// which bound was hit (`router_busy`); the gateway turns it into the
+/// OpenAI error code. Without it, RESOURCE_EXHAUSTED means no KV room.
+pub const OVERLOAD_HEADER: &str = "x-pdmesh-overload";
+
 /// Span names (the OpenTelemetry span name is the `tracing` span name,
 /// except RPC spans, whose name is the gRPC method: see [`rpc`]).
 pub mod span {

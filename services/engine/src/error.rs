@@ -40,6 +40,9 @@ pub enum EngineError {
     /// A batched step failed for reasons of its own, not of one request.
     #[error("engine step failed: {0}")]
     StepFailed(String),
+    /// The worker's queue is at its bound: another worker may have room.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
 }
 
 impl EngineError {
@@ -62,6 +65,7 @@ impl EngineError {
             EngineError::Unavailable(_) => "unavailable",
             EngineError::StepFailed(_) => "step_failed",
             EngineError::DeadlineExceeded(_) => "deadline_exceeded",
+            EngineError::Overloaded(_) => "overloaded",
         }
     }
 

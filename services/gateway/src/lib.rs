@@ -143,8 +143,16 @@ fn refused_response(r: &auth::Refused) -> Response {
 }
 
 fn status_response(s: &tonic::Status) -> Response {
-    let (st, kind, code) = http_of(s);
-    error_body(st, s.message(), kind, None, Some(code))
+    let (st, kind, mut code) = http_of(s);
+    if let Some(why) = s.metadata().get(pdmesh_core::vocab::OVERLOAD_HEADER).and_then(|v| v.to_str().ok()) {
+        code = if why == "router_busy" { "router_busy" } else { "overloaded" };
+    }
+    let mut r = error_body(st, s.message(), kind, None, Some(code));
+    // Overload and unavailability pass: say when to try again.
+    if st == 429 || st == 503 {
+        r.headers_mut().insert(header::RETRY_AFTER, 1u64.into());
+    }
+    r
 }
 
 fn finish_reason(f: &pb::Finished) -> &'static str {

@@ -142,3 +142,86 @@ async fn slow_clients_neither_starve_requests_nor_stay_open() {
     // And it still serves.
     assert!(tokio::task::block_in_place(|| ttft(&gw)) < Duration::from_secs(5));
 }
+
+/// The prefill queue and the router's requests in flight are bounded:
+/// past each bound a request is refused at once with a status that says
+/// to retry (503 or 429, `Retry-After`), not queued without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_queues_refuse_at_once_with_retry_after() {
+    let mesh = tokio::task::block_in_place(|| {
+        Mesh::up_env(
+            &["--enable-fault-injection"],
+            &[("PDMESH_PREFILL_MAX_QUEUE", "2"), ("PDMESH_ROUTER_MAX_IN_FLIGHT", "4")],
+        )
+    });
+    let gw = mesh.gateway.clone();
+    // Two prompts held in the prefill queue fill it.
+    mesh.fault("prefill", "prefill.queue_hold_ms", 4000).await;
+    let held: Vec<_> = (0..2)
+        .map(|i| {
+            let gw = gw.clone();
+            std::thread::spawn(move || {
+                common::post(
+                    &gw,
+                    "/v1/chat/completions",
+                    &chat_body(&format!("Held {i}: hello"), r#","max_tokens":1"#),
+                    &[],
+                )
+            })
+        })
+        .collect();
+    let t0 = Instant::now();
+    while mesh.gauge("prefill", "pdmesh_prefill_queued").await < 2.0 {
+        assert!(t0.elapsed() < Duration::from_secs(3), "the two prompts never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (st, retry, body) = tokio::task::block_in_place(|| {
+        let t = Instant::now();
+        let r = common::post_header(
+            &gw,
+            "/v1/chat/completions",
+            &chat_body("One too many", r#","max_tokens":1"#),
+            &[],
+            "retry-after",
+        );
+        assert!(t.elapsed() < Duration::from_secs(2), "refused at once, not after {:?}", t.elapsed());
+        r
+    });
+    eprintln!("over the prefill queue bound: {st} retry-after {retry:?}: {body}");
+    assert_eq!((st, retry.as_deref()), (503, Some("1")), "{body}");
+    assert!(body.contains("wait for a prefill step") && !body.contains("prefill-0"), "{body}");
+    mesh.fault("prefill", "prefill.queue_hold_ms", 0).await;
+    for h in held {
+        let (st, body) = h.join().unwrap();
+        assert_eq!(st, 200, "the queued ones are served: {body}");
+    }
+
+    // Four long streams are the router's limit; a fifth request gets 429.
+    let streams: Vec<_> = tokio::task::block_in_place(|| {
+        (0..4)
+            .map(|i| {
+                let body = chat_body(&format!("Stream {i}"), r#","max_tokens":400,"ignore_eos":true,"stream":true"#);
+                start_stream(&gw, &body, 1)
+            })
+            .collect()
+    });
+    let (st, retry, body) = tokio::task::block_in_place(|| {
+        common::post_header(&gw, "/v1/chat/completions", &chat_body("Fifth", r#","max_tokens":1"#), &[], "retry-after")
+    });
+    eprintln!("over the router's in-flight bound: {st} retry-after {retry:?}: {body}");
+    assert_eq!((st, retry.as_deref()), (429, Some("1")), "{body}");
+    assert!(body.contains("router_busy"), "{body}");
+    drop(streams);
+    // Once they end, requests are served again.
+    let t0 = Instant::now();
+    loop {
+        let (st, _) = tokio::task::block_in_place(|| {
+            common::post(&gw, "/v1/chat/completions", &chat_body("After", r#","max_tokens":1"#), &[])
+        });
+        if st == 200 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "still refused: {st}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -95,6 +95,8 @@ struct Queue {
 pub struct Batcher {
     q: Arc<Queue>,
     pub stats: Arc<Stats>,
+    /// Most prompts waiting; one more is refused (`Overloaded`).
+    pub max_queue: usize,
     _stop: Arc<StopOnDrop>,
 }
 
@@ -146,7 +148,7 @@ impl Batcher {
                 })
             })
             .expect("spawn prefill loop");
-        Batcher { _stop: Arc::new(StopOnDrop(q.clone())), q, stats }
+        Batcher { _stop: Arc::new(StopOnDrop(q.clone())), q, stats, max_queue: usize::MAX }
     }
 
     /// Queue a prompt; resolves with its first token and pinned blocks.
@@ -162,6 +164,12 @@ impl Batcher {
         let (reply, rx) = oneshot::channel();
         {
             let mut g = self.q.state.lock().unwrap_or_else(|e| e.into_inner());
+            if g.jobs.len() >= self.max_queue {
+                return Err(EngineError::Overloaded(format!(
+                    "{} prompts already wait for a prefill step, the limit",
+                    g.jobs.len()
+                )));
+            }
             let span = tracing::Span::current();
             let queued = tracing::info_span!(
                 span::QUEUED,

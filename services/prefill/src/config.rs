@@ -13,6 +13,11 @@ pub struct Config {
     /// most about one step behind a long one.
     #[arg(long, env = "PDMESH_PREFILL_BATCH_TOKENS", default_value_t = 2048)]
     pub batch_tokens: usize,
+    /// Most prompts waiting for a prefill step (a full arena makes them
+    /// wait); one more is refused with RESOURCE_EXHAUSTED, which the router
+    /// takes elsewhere.
+    #[arg(long, env = "PDMESH_PREFILL_MAX_QUEUE", default_value_t = 1024)]
+    pub max_queue: usize,
     /// How long to wait for the decode worker to open the transfer ticket, in milliseconds.
     #[arg(long, env = "PDMESH_PREFILL_CLAIM_TIMEOUT_MS", default_value_t = 10_000)]
     pub claim_timeout_ms: u64,

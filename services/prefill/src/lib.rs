@@ -91,7 +91,8 @@ pub async fn serve(
     let pdmesh_worker::Started { admin, engine, stats, worker_id, nixl, broker } = w;
     let layout = engine.kv.layout;
     let ek = &config.worker.engine;
-    let batcher = Batcher::start(engine, ek.max_batch, config.batch_tokens, ek.trace_kernel_steps);
+    let mut batcher = Batcher::start(engine, ek.max_batch, config.batch_tokens, ek.trace_kernel_steps);
+    batcher.max_queue = config.max_queue.max(1);
     let _ = stats.set(batcher.stats.clone());
     let mut transports: Vec<Box<dyn KvTransport>> = Vec::new();
     if let Some(n) = nixl.clone() {

@@ -52,6 +52,10 @@ pub struct Config {
     /// this many; longer ones go to a prefill worker. 0: always a prefill worker.
     #[arg(long, env = "PDMESH_ROUTER_MAX_LOCAL_PREFILL", default_value_t = 256)]
     pub max_local_prefill: u32,
+    /// Most requests this router serves at once; one more is refused with
+    /// RESOURCE_EXHAUSTED (HTTP 429 `router_busy` at the gateway).
+    #[arg(long, env = "PDMESH_ROUTER_MAX_IN_FLIGHT", default_value_t = 4096)]
+    pub max_in_flight: u64,
     /// Most stop strings per request.
     #[arg(long, env = "PDMESH_ROUTER_MAX_STOP", default_value_t = 8)]
     pub max_stop: usize,

@@ -86,7 +86,7 @@ impl Router {
             let ticket_id = self.ticket_id(&job.request_id, attempt);
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
             let (d, p) = self.route(attempt, prompt, &mut tried_d, &mut tried_p).await?;
-            let (d_addr, d_id) = (d.inst.grpc_addr.clone(), d.inst.id.clone());
+            let d_addr = d.inst.grpc_addr.clone();
             let p_addr = p.as_ref().map(|p| p.inst.grpc_addr.clone());
             let e = match self.attempt(job, prompt, &ticket_id, d, p).await {
                 Ok(x) => return Ok(x),
@@ -96,7 +96,7 @@ impl Router {
             let other =
                 self.decode.instances().iter().any(|i| i.grpc_addr != d_addr && !tried_d.contains(&i.grpc_addr));
             if !retryable(&e) || !other || attempt >= self.retries {
-                return Err(decode_refusal(e, &d_id));
+                return Err(decode_refusal(e));
             }
             tried_d.push(d_addr);
             tried_p.extend(p_addr);

@@ -3,7 +3,8 @@
 //! passes through as its code; anything else is the mesh's fault and
 //! becomes UNAVAILABLE, never a client error. A failure of the connection
 //! itself (the worker died, or could not be reached) is named as such,
-//! without the transport library's text: that stays on the span.
+//! without the transport library's text or the worker's id: those stay on
+//! the failed call's span (`pick.*` attributes name the worker).
 
 use tonic::{Code, Status};
 
@@ -28,42 +29,40 @@ fn timed_out(e: &Status) -> bool {
     false
 }
 
-/// The mesh's fault, as the caller sees it: which worker, and what happened.
-fn worker_fault(what: &str, worker: &str, lost: &str, e: &Status) -> Status {
+/// The mesh's fault, as the caller sees it: which kind of worker, and what happened.
+fn worker_fault(what: &str, lost: &str, e: &Status) -> Status {
     if is_transport(e) {
-        Status::unavailable(format!("{what} {worker} {lost}"))
+        Status::unavailable(format!("a {what} {lost}"))
     } else {
-        Status::unavailable(format!("{what} {worker} failed: {}", e.message()))
+        Status::unavailable(format!("a {what} failed: {}", e.message()))
     }
 }
 
-/// A failed Prefill call on `worker`.
-pub fn prefill_failure(e: Status, worker: &str) -> Status {
+/// A failed Prefill call.
+pub fn prefill_failure(e: Status) -> Status {
     match e.code() {
         _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed during its prefill"),
-        _ if is_transport(&e) => worker_fault("prefill worker", worker, "was lost mid-request", &e),
+        _ if is_transport(&e) => worker_fault("prefill worker", "was lost mid-request", &e),
         Code::InvalidArgument => e,
         Code::DeadlineExceeded => Status::deadline_exceeded(format!("prefill: {}", e.message())),
-        _ => worker_fault("prefill worker", worker, "was lost mid-request", &e),
+        _ => worker_fault("prefill worker", "was lost mid-request", &e),
     }
 }
 
-/// A decode stream on `worker` that failed after it admitted the request.
-pub fn decode_failure(e: Status, worker: &str) -> Status {
+/// A decode stream that failed after it admitted the request.
+pub fn decode_failure(e: Status) -> Status {
     match e.code() {
-        _ if is_transport(&e) => worker_fault("decode worker", worker, "was lost mid-request", &e),
+        _ if is_transport(&e) => worker_fault("decode worker", "was lost mid-request", &e),
         Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Cancelled => e,
-        _ => worker_fault("decode worker", worker, "was lost mid-request", &e),
+        _ => worker_fault("decode worker", "was lost mid-request", &e),
     }
 }
 
 /// A decode worker that refused to admit the request, after the last retry.
-pub fn decode_refusal(e: Status, worker: &str) -> Status {
+pub fn decode_refusal(e: Status) -> Status {
     match e.code() {
-        _ if is_transport(&e) => worker_fault("decode worker", worker, "could not be reached", &e),
-        Code::Unavailable | Code::Internal | Code::Unknown => {
-            worker_fault("decode worker", worker, "could not be reached", &e)
-        }
+        _ if is_transport(&e) => worker_fault("decode worker", "could not be reached", &e),
+        Code::Unavailable | Code::Internal | Code::Unknown => worker_fault("decode worker", "could not be reached", &e),
         _ => e,
     }
 }
@@ -115,10 +114,10 @@ mod tests {
 
     #[test]
     fn worker_faults_are_never_the_clients_fault() {
-        assert_eq!(prefill_failure(Status::internal("x"), "p0").code(), Code::Unavailable);
-        assert_eq!(decode_failure(Status::failed_precondition("x"), "d0").code(), Code::Unavailable);
-        assert_eq!(decode_failure(Status::resource_exhausted("full"), "d0").code(), Code::ResourceExhausted);
-        assert_eq!(prefill_failure(Status::invalid_argument("bad id"), "p0").code(), Code::InvalidArgument);
+        assert_eq!(prefill_failure(Status::internal("x")).code(), Code::Unavailable);
+        assert_eq!(decode_failure(Status::failed_precondition("x")).code(), Code::Unavailable);
+        assert_eq!(decode_failure(Status::resource_exhausted("full")).code(), Code::ResourceExhausted);
+        assert_eq!(prefill_failure(Status::invalid_argument("bad id")).code(), Code::InvalidArgument);
         assert!(retryable(&Status::resource_exhausted("full")));
         assert!(!retryable(&Status::invalid_argument("bad")));
         assert!(prefill_retryable(&Status::unavailable("tcp connect error")));
@@ -133,24 +132,24 @@ mod tests {
         let e = broken(Code::Unknown);
         assert!(is_transport(&e), "{e:?}");
         assert!(!is_transport(&Status::unavailable("KV transfer failed")));
-        let m = decode_failure(e.clone(), "decode-1");
+        let m = decode_failure(e.clone());
         assert_eq!(m.code(), Code::Unavailable);
-        assert_eq!(m.message(), "decode worker decode-1 was lost mid-request");
+        assert_eq!(m.message(), "a decode worker was lost mid-request");
         assert!(decode_retryable(&m));
-        assert_eq!(decode_refusal(e.clone(), "decode-1").message(), "decode worker decode-1 could not be reached");
-        assert_eq!(prefill_failure(e, "prefill-0").message(), "prefill worker prefill-0 was lost mid-request");
+        assert_eq!(decode_refusal(e.clone()).message(), "a decode worker could not be reached");
+        assert_eq!(prefill_failure(e).message(), "a prefill worker was lost mid-request");
         // A worker's own message is kept: it is ours, and says what failed.
-        let own = decode_failure(Status::unavailable("KV transfer failed: broker gone"), "decode-0");
-        assert_eq!(own.message(), "decode worker decode-0 failed: KV transfer failed: broker gone");
+        let own = decode_failure(Status::unavailable("KV transfer failed: broker gone"));
+        assert_eq!(own.message(), "a decode worker failed: KV transfer failed: broker gone");
         // A reset the dying peer sent is not the client's cancellation.
         let reset = broken(Code::Cancelled);
         assert!(is_transport(&reset));
-        assert_eq!(decode_failure(reset, "decode-0").code(), Code::Unavailable);
+        assert_eq!(decode_failure(reset).code(), Code::Unavailable);
         assert!(!decode_retryable(&Status::cancelled("client went away")));
         assert!(!decode_retryable(&Status::deadline_exceeded("late")));
         // The call's own timeout is the request's deadline, not a lost worker.
         let late = Status::from_error(Box::new(tonic::TimeoutExpired(())));
         assert!(!is_transport(&late));
-        assert_eq!(prefill_failure(late, "prefill-0").code(), Code::DeadlineExceeded);
+        assert_eq!(prefill_failure(late).code(), Code::DeadlineExceeded);
     }
 }

@@ -105,6 +105,7 @@ pub async fn serve(
         timeout: Duration::from_secs(config.request_timeout_s.max(1)),
         retries: config.retries,
         max_stop: config.max_stop,
+        max_in_flight: config.max_in_flight.max(1),
         policy,
         max_local_prefill: config.max_local_prefill,
         metrics,

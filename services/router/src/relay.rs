@@ -79,7 +79,6 @@ impl Router {
         tx: &Tx,
     ) -> Result<(), Failed> {
         let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, .. } = d;
-        let [prefill_worker, decode_worker] = pair.workers.clone();
         let mut out = Out {
             detok: None,
             stops: StopMatcher::new(stop),
@@ -103,17 +102,17 @@ impl Router {
                         // Its answer lost after the KV went over: the tokens flow on.
                         Ok(Err(_)) if out.n_out > 0 => continue,
                         Ok(Err(e)) if prefill_retryable(&e) => {
-                            return Err(Failed::Prefill(prefill_failure(e, &prefill_worker)))
+                            return Err(Failed::Prefill(prefill_failure(e)))
                         }
-                        Ok(Err(e)) => return Err(Failed::Other(prefill_failure(e, &prefill_worker))),
+                        Ok(Err(e)) => return Err(Failed::Other(prefill_failure(e))),
                         Err(_) => {
                             let e = Status::internal("its call ended without an answer");
-                            return Err(Failed::Prefill(prefill_failure(e, &prefill_worker)));
+                            return Err(Failed::Prefill(prefill_failure(e)));
                         }
                     }
                 }
             };
-            let ev = match event(msg, &pair, &decode_worker) {
+            let ev = match event(msg, &pair) {
                 Ok(ev) => ev,
                 Err(e) if out.n_out == 0 && decode_retryable(&e) => return Err(Failed::Decode(e)),
                 Err(e) => return Err(Failed::Other(e)),
@@ -268,17 +267,16 @@ async fn settle(prefill: Option<crate::dispatch::PrefillCall>, out: &mut Out) {
 fn event(
     msg: Result<Option<dpb::GenerateResponse>, Status>,
     pair: &Pair,
-    worker: &str,
 ) -> Result<Option<dpb::generate_response::Event>, Status> {
     match msg {
         Ok(Some(m)) => Ok(m.event),
         Ok(None) => {
             telemetry::mark_error(pair.decode_rpc.span(), "stream ended without finishing");
-            Err(Status::unavailable(format!("decode worker {worker} ended the stream without finishing")))
+            Err(Status::unavailable("a decode worker ended the stream without finishing"))
         }
         Err(e) => {
             telemetry::record_status(pair.decode_rpc.span(), Some(&e));
-            Err(decode_failure(e, worker))
+            Err(decode_failure(e))
         }
     }
 }

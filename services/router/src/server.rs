@@ -95,6 +95,7 @@ pub struct Router {
     pub timeout: Duration,
     pub retries: u32,
     pub max_stop: usize,
+    pub max_in_flight: u64,
     /// How prefill workers are picked.
     pub policy: crate::config::Policy,
     /// `--max-local-prefill` (0: never).
@@ -287,8 +288,18 @@ impl pb::router_server::Router for Service {
         span.set_attribute(attr::REQUEST_ID, job.request_id.clone());
         span.set_attribute(attr::MAX_TOKENS, job.max_tokens as i64);
         let trace_id = telemetry::trace_id(&span);
+        if router.metrics.in_flight.fetch_add(1, Ordering::Relaxed) >= router.max_in_flight {
+            router.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+            let mut e = Status::resource_exhausted(format!(
+                "the router serves {} requests at once, its limit; retry shortly",
+                router.max_in_flight
+            ));
+            e.metadata_mut().insert(pdmesh_core::vocab::OVERLOAD_HEADER, "router_busy".parse().expect("ascii"));
+            router.metrics.outcomes.inc(Outcome::of_code(e.code()));
+            telemetry::record_status(&span, Some(&e));
+            return Err(e);
+        }
         let (tx, rx) = mpsc::channel(64);
-        router.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(router.serve(input, job, deadline, tx).instrument(span));
         let mut resp = Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as DeltaStream);
         if let Some(id) = trace_id.and_then(|t| t.parse().ok()) {

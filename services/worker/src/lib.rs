@@ -163,7 +163,7 @@ impl EngineArgs {
 pub fn status(e: &EngineError) -> Status {
     let msg = e.to_string();
     match e {
-        EngineError::KvFull { .. } => Status::resource_exhausted(msg),
+        EngineError::KvFull { .. } | EngineError::Overloaded(_) => Status::resource_exhausted(msg),
         EngineError::UnknownSequence(_) => Status::not_found(msg),
         EngineError::KvMismatch(_) => Status::failed_precondition(msg),
         EngineError::Unavailable(_) => Status::unavailable(msg),
