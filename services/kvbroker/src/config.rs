@@ -17,6 +17,14 @@ pub struct Config {
     /// Longest lease a worker may ask for, in milliseconds.
     #[arg(long, env = "PDMESH_KVBROKER_MAX_LEASE_MS", default_value_t = 60_000)]
     pub max_lease_ms: u32,
+    /// Most tickets held at once (live, not yet opened, and ended ones
+    /// remembered); past it, a new request id gets RESOURCE_EXHAUSTED.
+    #[arg(long, env = "PDMESH_KVBROKER_MAX_TICKETS", default_value_t = 65_536)]
+    pub max_tickets: usize,
+    /// Most workers registered; past it, a new worker id gets
+    /// RESOURCE_EXHAUSTED (a known one may always register again).
+    #[arg(long, env = "PDMESH_KVBROKER_MAX_AGENTS", default_value_t = 4096)]
+    pub max_agents: usize,
     #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
 }

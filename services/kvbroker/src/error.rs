@@ -10,6 +10,8 @@ pub enum Error {
     UnknownAgent(String),
     #[error("invalid request: {0}")]
     Invalid(String),
+    #[error("the broker knows {0} workers, its limit")]
+    TooManyAgents(usize),
 }
 
 impl From<Error> for tonic::Status {
@@ -19,6 +21,7 @@ impl From<Error> for tonic::Status {
             Error::Ticket(TicketError::NotFound(_)) | Error::UnknownAgent(_) => tonic::Status::not_found(msg),
             Error::Ticket(TicketError::WrongState(..)) => tonic::Status::failed_precondition(msg),
             Error::Ticket(TicketError::Invalid(_)) | Error::Invalid(_) => tonic::Status::invalid_argument(msg),
+            Error::Ticket(TicketError::Full(_)) | Error::TooManyAgents(_) => tonic::Status::resource_exhausted(msg),
         }
     }
 }

@@ -56,7 +56,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let tickets = Arc::new(Mutex::new(Tickets::new(Duration::from_secs(config.retention_s))));
+    let tickets = Arc::new(Mutex::new(Tickets::new(Duration::from_secs(config.retention_s), config.max_tickets)));
     let expired_total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (t2, e2) = (tickets.clone(), expired_total.clone());
     let admin = AdminState::new(
@@ -84,7 +84,12 @@ pub async fn serve(
             }
         }
     });
-    let broker = server::Broker { tickets, agents: Mutex::new(Default::default()), max_lease_ms: config.max_lease_ms };
+    let broker = server::Broker {
+        tickets,
+        agents: Mutex::new(Default::default()),
+        max_lease_ms: config.max_lease_ms,
+        max_agents: config.max_agents.max(1),
+    };
     let routes = tonic::service::Routes::new(pb::kv_broker_server::KvBrokerServer::new(broker));
     let grpc = Grpc { service: "kvbroker", name: "pdmesh.kvbroker.v1.KvBroker", routes };
     let r = serve_grpc(admin, &config.common, grpc, listener, shutdown, std::future::ready(())).await;

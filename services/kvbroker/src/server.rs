@@ -22,6 +22,7 @@ pub struct Broker {
     pub tickets: Arc<Mutex<Tickets>>,
     pub agents: Mutex<HashMap<String, pb::Agent>>,
     pub max_lease_ms: u32,
+    pub max_agents: usize,
 }
 
 impl Broker {
@@ -63,7 +64,14 @@ impl pb::kv_broker_server::KvBroker for Broker {
         if agent.worker_id.is_empty() {
             return Err(Error::Invalid("agent.worker_id is required".into()).into());
         }
-        self.agents.lock().unwrap_or_else(|e| e.into_inner()).insert(agent.worker_id.clone(), agent);
+        if agent.worker_id.len() > crate::tickets::MAX_ID_BYTES {
+            return Err(Error::Invalid("agent.worker_id is too long".into()).into());
+        }
+        let mut agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
+        if !agents.contains_key(&agent.worker_id) && agents.len() >= self.max_agents {
+            return Err(Error::TooManyAgents(agents.len()).into());
+        }
+        agents.insert(agent.worker_id.clone(), agent);
         Ok(Response::new(pb::RegisterAgentResponse {}))
     }
 
@@ -90,7 +98,11 @@ impl pb::kv_broker_server::KvBroker for Broker {
     async fn claim_ticket(&self, req: Request<pb::ClaimTicketRequest>) -> Result<Response<Ticket>, Status> {
         let span = tracing::Span::current();
         let r = req.into_inner();
-        let mut rx = self.table().subscribe(&r.request_id, now_ms());
+        let sub = self.table().subscribe(&r.request_id, now_ms());
+        let mut rx = match sub {
+            Ok(rx) => rx,
+            Err(e) => return traced(span, Err(e.into())),
+        };
         let cur = match rx.wait_for(|t| state(t) != TicketState::Unspecified).instrument(span.clone()).await {
             Ok(t) => t.clone(),
             Err(_) => return telemetry::finish(&span, Err(Status::unavailable("broker shutting down"))),
@@ -129,7 +141,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
             return traced(span, Err(Error::Invalid("request_id is required".into())));
         }
         let t = self.table().cancel(&r.request_id, &r.reason, now_ms());
-        traced(span, Ok(t))
+        traced(span, t.map_err(Error::from))
     }
 
     async fn renew_lease(&self, req: Request<pb::RenewLeaseRequest>) -> Result<Response<Ticket>, Status> {
@@ -150,7 +162,11 @@ impl pb::kv_broker_server::KvBroker for Broker {
             return telemetry::finish(&span, Err(Error::Invalid("request_id is required".into()).into()));
         }
         span.set_attribute(attr::TICKET, id.clone());
-        let mut rx = self.table().subscribe(&id, now_ms());
+        let sub = self.table().subscribe(&id, now_ms());
+        let mut rx = match sub {
+            Ok(rx) => rx,
+            Err(e) => return telemetry::finish(&span, Err(Error::from(e).into())),
+        };
         let (tx, out) = tokio::sync::mpsc::channel(8);
         tokio::spawn(
             async move {

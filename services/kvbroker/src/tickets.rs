@@ -32,7 +32,12 @@ pub enum TicketError {
     NotFound(String),
     #[error("invalid ticket request: {0}")]
     Invalid(String),
+    #[error("the broker holds {0} tickets, its limit; retry shortly")]
+    Full(usize),
 }
+
+/// Longest ticket id accepted, in bytes (the router's are far shorter).
+pub const MAX_ID_BYTES: usize = 512;
 
 struct Entry {
     tx: watch::Sender<Ticket>,
@@ -47,6 +52,9 @@ pub struct Tickets {
     map: HashMap<String, Entry>,
     /// How long terminal tickets are remembered.
     retention: Duration,
+    /// Most tickets held (live, expected and remembered together); a new id
+    /// past it is refused, never an existing ticket's change.
+    max: usize,
 }
 
 pub fn is_terminal(s: TicketState) -> bool {
@@ -58,21 +66,30 @@ fn state(t: &Ticket) -> TicketState {
 }
 
 impl Tickets {
-    pub fn new(retention: Duration) -> Tickets {
-        Tickets { map: HashMap::new(), retention }
+    pub fn new(retention: Duration, max: usize) -> Tickets {
+        Tickets { map: HashMap::new(), retention, max: max.max(1) }
     }
 
-    fn entry(&mut self, id: &str, now_ms: u64) -> &mut Entry {
-        self.map.entry(id.to_string()).or_insert_with(|| {
+    /// The entry of `id`, made (as an expected ticket) if new and there is room.
+    fn entry(&mut self, id: &str, now_ms: u64) -> Result<&mut Entry, TicketError> {
+        if !self.map.contains_key(id) {
+            if id.is_empty() || id.len() > MAX_ID_BYTES {
+                return Err(TicketError::Invalid(format!("request_id must be 1..={MAX_ID_BYTES} bytes")));
+            }
+            if self.map.len() >= self.max {
+                return Err(TicketError::Full(self.map.len()));
+            }
+        }
+        Ok(self.map.entry(id.to_string()).or_insert_with(|| {
             let t = Ticket { request_id: id.to_string(), ..Default::default() };
             Entry { tx: watch::channel(t).0, created_ms: now_ms, forget_at_ms: None }
-        })
+        }))
     }
 
-    /// Change a ticket and tell its watchers.
+    /// Change a ticket (one that exists) and tell its watchers.
     fn update(&mut self, id: &str, now_ms: u64, f: impl FnOnce(&mut Ticket)) -> Ticket {
         let retention = self.retention.as_millis() as u64;
-        let e = self.entry(id, now_ms);
+        let e = self.map.get_mut(id).expect("callers update tickets that exist");
         e.tx.send_modify(f);
         let t = e.tx.borrow().clone();
         if is_terminal(state(&t)) && e.forget_at_ms.is_none() {
@@ -83,8 +100,8 @@ impl Tickets {
 
     /// The current ticket (an expected, UNSPECIFIED one if nobody opened it yet)
     /// and a receiver of its future changes.
-    pub fn subscribe(&mut self, id: &str, now_ms: u64) -> watch::Receiver<Ticket> {
-        self.entry(id, now_ms).tx.subscribe()
+    pub fn subscribe(&mut self, id: &str, now_ms: u64) -> Result<watch::Receiver<Ticket>, TicketError> {
+        Ok(self.entry(id, now_ms)?.tx.subscribe())
     }
 
     pub fn get(&self, id: &str) -> Option<Ticket> {
@@ -104,7 +121,7 @@ impl Tickets {
         if id.is_empty() || dest_worker.is_empty() || dest_blocks.is_empty() || lease_ms == 0 {
             return Err(TicketError::Invalid("request_id, dest_worker, dest_blocks and lease_ms are required".into()));
         }
-        let cur = state(&self.entry(id, now_ms).tx.borrow());
+        let cur = state(&self.entry(id, now_ms)?.tx.borrow());
         if cur != TicketState::Unspecified {
             return Err(TicketError::WrongState(id.into(), cur));
         }
@@ -169,15 +186,15 @@ impl Tickets {
 
     /// Anyone: end a ticket that is not over yet (also one not opened yet).
     /// Ending an already-ended ticket returns it unchanged.
-    pub fn cancel(&mut self, id: &str, reason: &str, now_ms: u64) -> Ticket {
-        let cur = state(&self.entry(id, now_ms).tx.borrow());
+    pub fn cancel(&mut self, id: &str, reason: &str, now_ms: u64) -> Result<Ticket, TicketError> {
+        let cur = state(&self.entry(id, now_ms)?.tx.borrow());
         if is_terminal(cur) {
-            return self.get(id).expect("entry exists");
+            return Ok(self.get(id).expect("entry exists"));
         }
-        self.update(id, now_ms, |t| {
+        Ok(self.update(id, now_ms, |t| {
             t.state = TicketState::Cancelled as i32;
             t.reason = reason.into();
-        })
+        }))
     }
 
     pub fn renew(&mut self, id: &str, lease_ms: u32, now_ms: u64) -> Result<Ticket, TicketError> {
@@ -239,13 +256,13 @@ mod tests {
     use super::*;
 
     fn table() -> Tickets {
-        Tickets::new(Duration::from_secs(60))
+        Tickets::new(Duration::from_secs(60), 1000)
     }
 
     #[test]
     fn happy_path_open_claim_done() {
         let mut t = table();
-        let mut rx = t.subscribe("r1", 0);
+        let mut rx = t.subscribe("r1", 0).unwrap();
         t.open("r1", "d0", vec![3, 4], 20, 1000, 0).unwrap();
         assert_eq!(state(&rx.borrow_and_update()), TicketState::Open);
         t.claim("r1", "p0", 1).unwrap();
@@ -269,7 +286,7 @@ mod tests {
         // Once cancelled, no write may begin.
         t.open("c", "d0", vec![3], 5, 5_000, 0).unwrap();
         t.claim("c", "p0", 1).unwrap();
-        t.cancel("c", "client gone", 2);
+        t.cancel("c", "client gone", 2).unwrap();
         assert!(matches!(t.begin_write("c", 3), Err(TicketError::WrongState(_, TicketState::Cancelled))));
     }
 
@@ -286,7 +303,7 @@ mod tests {
     #[test]
     fn cancel_before_open_makes_the_late_open_fail() {
         let mut t = table();
-        let c = t.cancel("r", "client gone", 0);
+        let c = t.cancel("r", "client gone", 0).unwrap();
         assert_eq!(state(&c), TicketState::Cancelled);
         assert!(matches!(
             t.open("r", "d0", vec![1], 5, 1000, 1),
@@ -296,12 +313,12 @@ mod tests {
         t.open("s", "d0", vec![1], 5, 1000, 0).unwrap();
         t.claim("s", "p0", 0).unwrap();
         t.complete("s", Ok(7), 0, 0).unwrap();
-        assert_eq!(state(&t.cancel("s", "late", 1)), TicketState::Done);
+        assert_eq!(state(&t.cancel("s", "late", 1).unwrap()), TicketState::Done);
     }
 
     #[test]
     fn leases_expire_unless_renewed_and_old_tickets_are_forgotten() {
-        let mut t = Tickets::new(Duration::from_millis(500));
+        let mut t = Tickets::new(Duration::from_millis(500), 1000);
         t.open("a", "d0", vec![1], 5, 100, 0).unwrap();
         t.open("b", "d0", vec![2], 5, 100, 0).unwrap();
         t.renew("b", 1000, 50).unwrap();
@@ -313,8 +330,29 @@ mod tests {
         assert!(t.get("a").is_none(), "terminal tickets are forgotten after the retention");
         assert!(t.get("b").is_some());
         // Asked about but never opened: expired after the retention, then forgotten.
-        let _rx = t.subscribe("ghost", 700);
+        let _rx = t.subscribe("ghost", 700).unwrap();
         t.tick(1300);
         assert_eq!(t.get("ghost").map(|x| x.reason), Some("never opened".to_string()));
+    }
+
+    #[test]
+    fn the_table_is_bounded_and_ids_are_checked() {
+        let mut t = Tickets::new(Duration::from_millis(100), 3);
+        t.open("a", "d0", vec![1], 5, 1000, 0).unwrap();
+        t.subscribe("b", 0).unwrap();
+        t.cancel("c", "x", 0).unwrap();
+        // A new id past the bound is refused, by every call that would make one...
+        assert_eq!(t.subscribe("d", 0).err(), Some(TicketError::Full(3)));
+        assert_eq!(t.cancel("d", "x", 0).err(), Some(TicketError::Full(3)));
+        assert!(matches!(t.open("d", "d0", vec![1], 5, 1000, 0), Err(TicketError::Full(3))));
+        // ...but tickets already held still move.
+        t.claim("a", "p0", 1).unwrap();
+        t.open("b", "d0", vec![2], 5, 1000, 1).unwrap();
+        // Once ended tickets are forgotten, there is room again.
+        t.tick(200);
+        assert!(t.subscribe("d", 200).is_ok());
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        assert!(matches!(t.subscribe(&long, 0), Err(TicketError::Invalid(_))));
+        assert!(matches!(t.subscribe("", 0), Err(TicketError::Invalid(_))));
     }
 }

@@ -17,6 +17,8 @@ fn config(
         tick_ms: 10,
         retention_s: 60,
         max_lease_ms: 10_000,
+        max_tickets: 64,
+        max_agents: 3,
         common,
     }
 }
@@ -187,6 +189,48 @@ async fn metrics_count_tickets_by_state_and_lease_expiries() {
     svc.stop().await;
     assert!(reg.healthy("kvbroker").await.unwrap().is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The ticket and agent tables are bounded: new ids past the bounds get
+/// RESOURCE_EXHAUSTED while known ones keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tables_are_bounded() {
+    let (mut c, svc) = boot().await;
+    let agent = |id: &str| pb::RegisterAgentRequest {
+        agent: Some(pb::Agent {
+            worker_id: id.into(),
+            transport: pb::Transport::Tcp as i32,
+            address: "127.0.0.1:1".into(),
+            ..Default::default()
+        }),
+    };
+    let mut refused_at = None;
+    for i in 0..10 {
+        if let Err(e) = c.register_agent(agent(&format!("decode-{i}"))).await {
+            assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+            refused_at = Some(i);
+            break;
+        }
+    }
+    assert_eq!(refused_at, Some(3), "the fourth worker id is refused");
+    c.register_agent(agent("decode-0")).await.expect("a known worker registers again");
+    let mut made = 0;
+    let e = loop {
+        let r =
+            c.cancel_ticket(pb::CancelTicketRequest { request_id: format!("junk-{made}"), reason: "x".into() }).await;
+        match r {
+            Ok(_) => made += 1,
+            Err(e) => break e,
+        }
+        assert!(made <= 64, "no bound on tickets");
+    };
+    assert_eq!((e.code(), made), (Code::ResourceExhausted, 64), "{e:?}");
+    let e = c.watch_ticket(pb::WatchTicketRequest { request_id: "one-more".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    let long = "x".repeat(600);
+    let e = c.cancel_ticket(pb::CancelTicketRequest { request_id: long, reason: "x".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    svc.stop().await;
 }
 
 fn kvbroker_now_ms() -> u64 {
