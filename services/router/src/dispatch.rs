@@ -237,7 +237,8 @@ impl Router {
             local_prefill: p.is_none(),
         };
         // The decode client span lasts as long as the token stream.
-        let (dreq, dspan) = telemetry::client_request(rpc::DECODE_GENERATE, dreq);
+        let (mut dreq, dspan) = telemetry::client_request(rpc::DECODE_GENERATE, dreq);
+        set_deadline(&mut dreq, job.deadline);
         let opened = async {
             let mut s = dpb::decode_client::DecodeClient::new(d.ch).generate(dreq).await?.into_inner();
             match s.message().await? {
@@ -277,6 +278,17 @@ impl Router {
     }
 }
 
+/// An internal call carries what is left of the request's deadline
+/// (`grpc-timeout`), so the worker can refuse work that cannot finish in
+/// time and stops when the time is up.
+pub fn set_deadline<T>(req: &mut tonic::Request<T>, deadline: Option<std::time::Instant>) {
+    if let Some(d) = deadline {
+        req.set_timeout(
+            d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1)),
+        );
+    }
+}
+
 /// The Prefill call, running on its own task with its client span.
 fn start_prefill(job: &Job, prompt: &[u32], ticket_id: &str, ch: Channel) -> PrefillCall {
     let preq = ppb::PrefillRequest {
@@ -285,11 +297,7 @@ fn start_prefill(job: &Job, prompt: &[u32], ticket_id: &str, ch: Channel) -> Pre
         sampling: Some(job.sampling),
     };
     let (mut preq, pspan) = telemetry::client_request(rpc::PREFILL_PREFILL, preq);
-    if let Some(d) = job.deadline {
-        preq.set_timeout(
-            d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1)),
-        );
-    }
+    set_deadline(&mut preq, job.deadline);
     AbortOnDrop(tokio::spawn(
         async move {
             let r = ppb::prefill_client::PrefillClient::new(ch).prefill(preq).await;

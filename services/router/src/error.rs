@@ -18,7 +18,7 @@ pub fn is_transport(e: &Status) -> bool {
 
 /// Whether the call ended because its own timeout (set from the request's
 /// deadline) expired.
-fn timed_out(e: &Status) -> bool {
+pub fn timed_out(e: &Status) -> bool {
     let mut cause = std::error::Error::source(e);
     while let Some(c) = cause {
         if c.is::<tonic::TimeoutExpired>() {
@@ -52,6 +52,7 @@ pub fn prefill_failure(e: Status) -> Status {
 /// A decode stream that failed after it admitted the request.
 pub fn decode_failure(e: Status) -> Status {
     match e.code() {
+        _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed during its generation"),
         _ if is_transport(&e) => worker_fault("decode worker", "was lost mid-request", &e),
         Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Cancelled => e,
         _ => worker_fault("decode worker", "was lost mid-request", &e),
@@ -61,6 +62,7 @@ pub fn decode_failure(e: Status) -> Status {
 /// A decode worker that refused to admit the request, after the last retry.
 pub fn decode_refusal(e: Status) -> Status {
     match e.code() {
+        _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed before a decode worker took it"),
         _ if is_transport(&e) => worker_fault("decode worker", "could not be reached", &e),
         Code::Unavailable | Code::Internal | Code::Unknown => worker_fault("decode worker", "could not be reached", &e),
         _ => e,
@@ -151,5 +153,8 @@ mod tests {
         let late = Status::from_error(Box::new(tonic::TimeoutExpired(())));
         assert!(!is_transport(&late));
         assert_eq!(prefill_failure(late).code(), Code::DeadlineExceeded);
+        let late = || Status::from_error(Box::new(tonic::TimeoutExpired(())));
+        assert_eq!(decode_failure(late()).code(), Code::DeadlineExceeded, "never the client's cancellation");
+        assert_eq!(decode_refusal(late()).code(), Code::DeadlineExceeded);
     }
 }

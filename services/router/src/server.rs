@@ -139,7 +139,7 @@ impl Router {
             .await
     }
 
-    async fn encode(&self, input: Input) -> Result<Vec<u32>, Status> {
+    async fn encode(&self, input: Input, deadline: Option<Instant>) -> Result<Vec<u32>, Status> {
         let _ = self.tokenizer.wait_any(PEER_WAIT).await;
         let mut c = self.tokenizer_client()?;
         let input = match input {
@@ -152,24 +152,29 @@ impl Router {
                     .collect(),
             }),
         };
-        let (req, span) = telemetry::client_request(
+        let (mut req, span) = telemetry::client_request(
             rpc::TOKENIZER_ENCODE,
             tpb::EncodeRequest { input: Some(input), parse_special: false },
         );
+        crate::dispatch::set_deadline(&mut req, deadline);
         let r = c.encode(req).instrument(span.clone()).await;
         let r = telemetry::finish(&span, r).map_err(|e| match e.code() {
+            _ if crate::error::timed_out(&e) => {
+                Status::deadline_exceeded("the request's deadline passed while tokenizing")
+            }
             tonic::Code::InvalidArgument => e,
+            _ if crate::error::is_transport(&e) => Status::unavailable("the tokenizer could not be reached"),
             _ => Status::unavailable(format!("tokenizer: {}", e.message())),
         })?;
         Ok(r.into_inner().ids)
     }
 
     /// The `tokenize` span: the model's context length and the prompt's ids.
-    async fn tokenize(&self, input: Input) -> Result<(u32, Vec<u32>), Status> {
+    async fn tokenize(&self, input: Input, deadline: Option<Instant>) -> Result<(u32, Vec<u32>), Status> {
         let tokenize = tracing::info_span!(span::TOKENIZE, { attr::PROMPT_TOKENS } = tracing::field::Empty);
         async {
             let context = self.model_info().await?.context_length;
-            let prompt = self.encode(input).await?;
+            let prompt = self.encode(input, deadline).await?;
             tracing::Span::current().record(attr::PROMPT_TOKENS, prompt.len() as i64);
             Ok((context, prompt))
         }
@@ -195,7 +200,7 @@ impl Router {
     /// the caller is avoided on another dispatch (up to `--retries` times).
     async fn run(&self, input: Input, job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
         let started = Instant::now();
-        let (context, prompt) = self.tokenize(input).await?;
+        let (context, prompt) = self.tokenize(input, job.deadline).await?;
         check_fits(prompt.len(), job.max_tokens, context)?;
         let n_prompt = prompt.len() as u32;
         let mut avoid = Avoid::default();
