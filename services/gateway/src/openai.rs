@@ -161,6 +161,55 @@ fn sampling(o: &Map<String, Value>) -> Result<common::SamplingParams, BadRequest
     Ok(common::SamplingParams { temperature: temperature as f32, top_k: top_k as u32, top_p: top_p as f32, seed })
 }
 
+/// Fields of the OpenAI API this server does not implement: refused when
+/// they ask for something, never silently ignored (an empty, null, false
+/// or zero value asks for nothing).
+const UNSUPPORTED: &[&str] = &[
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "audio",
+    "modalities",
+    "prediction",
+    "presence_penalty",
+    "frequency_penalty",
+    "best_of",
+];
+
+fn asks_for_nothing(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s.is_empty() || s == "none" || s == "auto",
+        Value::Array(a) => a.is_empty(),
+        Value::Object(m) => m.is_empty() || m.get("type").and_then(Value::as_str) == Some("text"),
+    }
+}
+
+fn unsupported(o: &Map<String, Value>) -> Result<(), BadRequest> {
+    for &key in UNSUPPORTED {
+        match o.get(key) {
+            Some(Value::Number(n)) if key == "best_of" && n.as_f64() == Some(1.0) => {}
+            Some(v) if !asks_for_nothing(v) => {
+                return Err(bad(key, format!("{key} is not supported by this server; leave it out")));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Longest stop string accepted, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+
 fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BadRequest> {
     let stop = match o.get("stop") {
         None | Some(Value::Null) => vec![],
@@ -170,8 +219,8 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BadRequest> {
         }
         Some(_) => return Err(bad("stop", "stop must be a string or an array of strings")),
     };
-    if stop.len() > 4 || stop.iter().any(String::is_empty) {
-        return Err(bad("stop", "stop takes up to 4 non-empty strings"));
+    if stop.len() > 4 || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        return Err(bad("stop", format!("stop takes up to 4 non-empty strings of at most {MAX_STOP_BYTES} bytes")));
     }
     Ok(stop)
 }
@@ -181,6 +230,7 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
     let v: Value = serde_json::from_slice(body).map_err(|e| invalid(format!("request body is not valid JSON: {e}")))?;
     let o = v.as_object().ok_or_else(|| invalid("request body must be a JSON object".into()))?;
     let model = model(o, model_name)?;
+    unsupported(o)?;
     let input = match kind {
         Kind::Chat => messages(o)?,
         Kind::Completion => prompt(o)?,
@@ -233,6 +283,15 @@ mod tests {
     }
 
     #[test]
+    fn fields_that_ask_for_nothing_are_accepted() {
+        let ok = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[],"tool_choice":"none","logprobs":false,"presence_penalty":0,"frequency_penalty":0.0,"response_format":{"type":"text"},"logit_bias":{},"best_of":1,"user":"u1"}"#;
+        assert!(chat(ok).is_ok());
+        let long_stop =
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"stop":"{}"}}"#, "s".repeat(300));
+        assert_eq!(chat(&long_stop).err().map(|e| e.param), Some(Some("stop")));
+    }
+
+    #[test]
     fn each_mistake_names_its_field() {
         for (body, param, status) in [
             (r#"{"model":"m","messages":[]}"#, Some("messages"), 400),
@@ -245,7 +304,28 @@ mod tests {
             (r#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#, Some("model"), 404),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#, Some("n"), 400),
             (r#"{"model":"m","messages":"#, None, 400),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,
+                Some("tools"),
+                400,
+            ),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true}"#, Some("logprobs"), 400),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                Some("response_format"),
+                400,
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"presence_penalty":0.5}"#,
+                Some("presence_penalty"),
+                400,
+            ),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":["x","yyyyyyyyyy"]}"#, None, 0),
         ] {
+            if status == 0 {
+                assert!(chat(body).is_ok(), "{body}");
+                continue;
+            }
             let e = chat(body).err().unwrap_or_else(|| panic!("{body} was accepted"));
             assert_eq!((e.param, e.status), (param, status), "{body}: {}", e.message);
         }
