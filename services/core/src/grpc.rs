@@ -1,10 +1,32 @@
 //! The gRPC plumbing every service repeats: a health reporter, reflection
-//! over all pdmesh packages, lazy channels to peers, and deadlines read
-//! from incoming requests.
+//! over all pdmesh packages, lazy channels to peers, deadlines read from
+//! incoming requests, and telling a client call's own failures (broken
+//! connection, its timeout) from statuses the peer sent.
 
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
+
+/// Whether `e` is the channel's own verdict (the connection to the peer
+/// broke or never opened) rather than a status the worker sent: tonic
+/// keeps the underlying error as the source only for the former. The
+/// call's own timeout (the request's deadline) is not a transport failure.
+pub fn is_transport(e: &tonic::Status) -> bool {
+    std::error::Error::source(e).is_some() && !timed_out(e)
+}
+
+/// Whether the call ended because its own timeout (set from the request's
+/// deadline) expired.
+pub fn timed_out(e: &tonic::Status) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if c.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
 
 /// Reflection for `service` (a full name such as `pdmesh.decode.v1.Decode`).
 pub fn reflection(

@@ -111,6 +111,19 @@ fn http_of(s: &tonic::Status) -> (u16, &'static str, &'static str) {
     }
 }
 
+/// The router's status as the client should see it: the call's own
+/// timeout is the request's deadline (never a cancellation), and a broken
+/// connection is the mesh's fault, named without the library's text.
+fn from_router(s: tonic::Status) -> tonic::Status {
+    if pdmesh_core::grpc::timed_out(&s) {
+        tonic::Status::deadline_exceeded("request did not finish within its deadline")
+    } else if pdmesh_core::grpc::is_transport(&s) {
+        tonic::Status::unavailable("the connection to the router failed")
+    } else {
+        s
+    }
+}
+
 /// 401 or 429 (with `Retry-After`) for a request the API keys refused.
 fn refused_response(r: &auth::Refused) -> Response {
     use auth::Refused::*;
@@ -486,7 +499,7 @@ async fn open(g: &Gateway, request: pb::GenerateRequest, deadline: Duration) -> 
         Ok(Ok((stream, first))) => Ok(Opened { stream, first, rpc, end }),
         Ok(Err(s)) => {
             telemetry::record_status(&rpc, Some(&s));
-            Err(status_response(&s))
+            Err(status_response(&from_router(s)))
         }
         Err(_) => {
             telemetry::mark_error(&rpc, "deadline exceeded");
@@ -592,7 +605,7 @@ async fn collect(o: Opened, answer: &Answer, deadline: Duration) -> Response {
             Ok(Ok(m)) => m,
             Ok(Err(s)) => {
                 telemetry::record_status(&rpc, Some(&s));
-                return status_response(&s);
+                return status_response(&from_router(s));
             }
             Err(_) => return timed_out(),
         };
@@ -612,6 +625,7 @@ async fn stream_sse(o: Opened, answer: Answer, include_usage: bool, tx: Timed) {
             Ok(m) => m.and_then(|m| m.event),
             Err(s) => {
                 telemetry::record_status(&rpc, Some(&s));
+                let s = from_router(s);
                 let (st, kind, code) = http_of(&s);
                 let e = json!({ "error": { "message": s.message(), "type": kind, "param": null, "code": code, "status": st } });
                 let _ = tx.send(sse(&e)).await;

@@ -6,28 +6,8 @@
 //! without the transport library's text or the worker's id: those stay on
 //! the failed call's span (`pick.*` attributes name the worker).
 
+pub use pdmesh_core::grpc::{is_transport, timed_out};
 use tonic::{Code, Status};
-
-/// Whether `e` is the channel's own verdict (the connection to the worker
-/// broke or never opened) rather than a status the worker sent: tonic
-/// keeps the underlying error as the source only for the former. The
-/// call's own timeout (the request's deadline) is not a transport failure.
-pub fn is_transport(e: &Status) -> bool {
-    std::error::Error::source(e).is_some() && !timed_out(e)
-}
-
-/// Whether the call ended because its own timeout (set from the request's
-/// deadline) expired.
-pub fn timed_out(e: &Status) -> bool {
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        if c.is::<tonic::TimeoutExpired>() {
-            return true;
-        }
-        cause = c.source();
-    }
-    false
-}
 
 /// The mesh's fault, as the caller sees it: which kind of worker, and what happened.
 fn worker_fault(what: &str, lost: &str, e: &Status) -> Status {

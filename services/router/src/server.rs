@@ -159,7 +159,12 @@ impl Router {
         crate::dispatch::set_deadline(&mut req, deadline);
         let r = c.encode(req).instrument(span.clone()).await;
         let r = telemetry::finish(&span, r).map_err(|e| match e.code() {
-            _ if crate::error::timed_out(&e) => {
+            // Our own timeout, or the tokenizer enforcing the deadline we sent it.
+            _ if crate::error::timed_out(&e)
+                || matches!(e.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded)
+                    && deadline
+                        .is_some_and(|d| d.saturating_duration_since(Instant::now()) < Duration::from_millis(20)) =>
+            {
                 Status::deadline_exceeded("the request's deadline passed while tokenizing")
             }
             tonic::Code::InvalidArgument => e,
