@@ -89,6 +89,8 @@ pub struct Stats {
 pub struct Batcher {
     tx: mpsc::Sender<Cmd>,
     pub stats: Arc<Stats>,
+    /// Whether the loop's thread still runs.
+    pub alive: pdmesh_worker::LoopAlive,
 }
 
 fn gone() -> EngineError {
@@ -117,9 +119,11 @@ impl Batcher {
         });
         let (tx, rx) = mpsc::channel();
         let s = stats.clone();
+        let (alive, guard) = pdmesh_worker::LoopAlive::start();
         std::thread::Builder::new()
             .name("decode-loop".into())
             .spawn(move || {
+                let _alive = guard;
                 Loop {
                     engine,
                     max_batch: max_batch.max(1),
@@ -134,7 +138,7 @@ impl Batcher {
                 .run(rx)
             })
             .expect("spawn decode loop");
-        Batcher { tx, stats }
+        Batcher { tx, stats, alive }
     }
 
     /// Reserve blocks for prompt + max_tokens; KvFull when they are not free.
@@ -268,6 +272,7 @@ impl Loop {
                 }
             };
             if let Some(c) = first {
+                pdmesh_worker::loop_panic_fault();
                 self.handle(c);
                 while let Ok(c) = rx.try_recv() {
                     self.handle(c);

@@ -63,6 +63,7 @@ pub async fn serve(
         config.worker.engine.trace_kernel_steps,
     );
     let _ = stats.set(batcher.stats.clone());
+    let alive = batcher.alive.clone();
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;
     agent.address = config.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string());
     agent.block_bytes = layout.block_bytes() as u64;
@@ -96,7 +97,7 @@ pub async fn serve(
         admin,
         listener,
         shutdown,
-        pdmesh_worker::BrokerLink { agent, broker },
+        pdmesh_worker::BrokerLink { agent, broker, engine: alive },
     )
     .await;
     stop_progress.store(true, Ordering::Relaxed);

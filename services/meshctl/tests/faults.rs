@@ -265,3 +265,35 @@ async fn a_prefill_killed_before_the_first_token_fails_no_request() {
     mesh.fault("prefill", "prefill.transfer_delay_ms", 0).await;
     mesh.assert_released(RELEASED_WITHIN).await;
 }
+
+/// A prefill worker whose engine loop dies (an injected panic, as a bug in
+/// a kernel would cause) leaves service and exits with an error; `meshctl
+/// up` starts a fresh one, and requests are served again. The request that
+/// met the dead loop ends with a clean UNAVAILABLE, never a client error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_engine_loop_takes_its_worker_out_and_a_fresh_one_serves() {
+    let mesh = Mesh::up(&["--enable-fault-injection"]);
+    let before = mesh.pid("prefill").await;
+    mesh.fault("prefill", "engine.loop_panic", 1).await;
+    let mut r = mesh.router().await;
+    let t0 = Instant::now();
+    let met = run(&mut r, raw_request("The capital of France is", 4)).await;
+    eprintln!("the request that met the dead loop: {:?} after {:?}", met.as_ref().map(|_| "ok"), t0.elapsed());
+    if let Err(e) = &met {
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    }
+    let t0 = Instant::now();
+    loop {
+        if !common::alive(before) {
+            let i = mesh.registry().healthy("prefill").await.unwrap();
+            if !i.is_empty() && mesh.pid("prefill").await != before {
+                break;
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "no fresh prefill worker after 30 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("a fresh prefill worker serves {:?} after the dead loop's request ended", t0.elapsed());
+    let mut r = mesh.router().await;
+    run(&mut r, raw_request("The capital of France is", 4)).await.expect("served again");
+}

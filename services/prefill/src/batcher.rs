@@ -97,6 +97,8 @@ pub struct Batcher {
     pub stats: Arc<Stats>,
     /// Most prompts waiting; one more is refused (`Overloaded`).
     pub max_queue: usize,
+    /// Whether the loop's thread still runs.
+    pub alive: pdmesh_worker::LoopAlive,
     _stop: Arc<StopOnDrop>,
 }
 
@@ -132,9 +134,11 @@ impl Batcher {
         });
         let q = Arc::new(Queue { state: Mutex::new(State::default()), wake: Condvar::new() });
         let (q2, s2) = (q.clone(), stats.clone());
+        let (alive, guard) = pdmesh_worker::LoopAlive::start();
         std::thread::Builder::new()
             .name("prefill-loop".into())
             .spawn(move || {
+                let _alive = guard;
                 run(Loop {
                     engine,
                     q: q2,
@@ -148,7 +152,7 @@ impl Batcher {
                 })
             })
             .expect("spawn prefill loop");
-        Batcher { _stop: Arc::new(StopOnDrop(q.clone())), q, stats, max_queue: usize::MAX }
+        Batcher { _stop: Arc::new(StopOnDrop(q.clone())), q, stats, max_queue: usize::MAX, alive }
     }
 
     /// Queue a prompt; resolves with its first token and pinned blocks.
@@ -164,6 +168,9 @@ impl Batcher {
         let (reply, rx) = oneshot::channel();
         {
             let mut g = self.q.state.lock().unwrap_or_else(|e| e.into_inner());
+            if !self.alive.is_alive() {
+                return Err(EngineError::Unavailable("the prefill loop has stopped".into()));
+            }
             if g.jobs.len() >= self.max_queue {
                 return Err(EngineError::Overloaded(format!(
                     "{} prompts already wait for a prefill step, the limit",
@@ -279,6 +286,7 @@ struct Loop {
 
 fn run(mut l: Loop) {
     while let Some(cmds) = l.wait() {
+        pdmesh_worker::loop_panic_fault();
         l.apply(cmds);
         l.drop_gone();
         l.admit_queued();

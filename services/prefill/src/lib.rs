@@ -93,6 +93,7 @@ pub async fn serve(
     let ek = &config.worker.engine;
     let mut batcher = Batcher::start(engine, ek.max_batch, config.batch_tokens, ek.trace_kernel_steps);
     batcher.max_queue = config.max_queue.max(1);
+    let alive = batcher.alive.clone();
     let _ = stats.set(batcher.stats.clone());
     let mut transports: Vec<Box<dyn KvTransport>> = Vec::new();
     if let Some(n) = nixl.clone() {
@@ -114,7 +115,7 @@ pub async fn serve(
         admin,
         listener,
         shutdown,
-        pdmesh_worker::BrokerLink { agent, broker },
+        pdmesh_worker::BrokerLink { agent, broker, engine: alive },
     )
     .await
 }

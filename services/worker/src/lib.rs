@@ -236,6 +236,51 @@ pub use pdmesh_core::serve::ServeError;
 pub struct BrokerLink {
     pub agent: kpb::Agent,
     pub broker: Peers,
+    /// The engine loop: if it stops, the worker leaves service and exits
+    /// with an error, so that its supervisor starts a fresh one.
+    pub engine: LoopAlive,
+}
+
+/// Whether a worker's engine loop (its own thread) still runs. The loop
+/// holds the [`AliveGuard`]; when the thread ends — a panic, or any exit
+/// while the worker serves — the flag drops.
+#[derive(Clone)]
+pub struct LoopAlive(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+/// Held by the engine loop's thread for as long as it runs.
+pub struct AliveGuard(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl LoopAlive {
+    /// A running loop's flag and the guard its thread keeps.
+    pub fn start() -> (LoopAlive, AliveGuard) {
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        (LoopAlive(flag.clone()), AliveGuard(flag))
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Resolves once the loop has stopped (checked every 100 ms).
+    pub async fn stopped(&self) {
+        while self.is_alive() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Test-only fault (`--enable-fault-injection`): the engine loop panics at
+/// its next turn, as a bug in a kernel would make it.
+pub fn loop_panic_fault() {
+    if pdmesh_core::faults::get("engine.loop_panic") > 0 {
+        panic!("fault injected: engine.loop_panic");
+    }
 }
 
 /// Serve a worker's `routes` until `shutdown`. gRPC health, `/health` and
@@ -287,12 +332,27 @@ pub async fn serve_worker(
         let _ = stopped.await;
     });
     tokio::pin!(server);
+    let engine = link.engine.clone();
+    let mut engine_stopped = false;
     let result = tokio::select! {
         r = &mut server => Some(r),
         _ = shutdown => None,
+        _ = engine.stopped() => {
+            engine_stopped = true;
+            Some(Ok(()))
+        }
         _ = async { gate.await; std::future::pending::<()>().await } => unreachable!(),
     };
     let mut a = announced.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(Announced::none);
+    if engine_stopped {
+        // Nothing here can serve again: out of service at once, then exit
+        // with an error so that the supervisor starts a fresh worker.
+        eprintln!("pdmesh-{service}: the engine loop stopped; leaving service and exiting");
+        health.set(false).await;
+        registrar.abort();
+        admin.shut_down(a).await?;
+        return Err(ServeError::Setup(format!("pdmesh-{service}: the engine loop stopped")));
+    }
     let result = match result {
         Some(r) => r,
         None => {
