@@ -117,6 +117,7 @@ async fn mesh_point(addr: &str, c: usize, n: usize, max_tokens: u32) -> Result<s
                     max_tokens,
                     stop: vec![],
                     ignore_eos: true,
+                    max_tokens_to_fit: false,
                 };
                 let sent = Instant::now();
                 let mut s = pb::router_client::RouterClient::new(ch.clone())

@@ -122,18 +122,20 @@ fn prompt(o: &Map<String, Value>) -> Result<pb::generate_request::Input, BadRequ
 }
 
 /// `max_completion_tokens` (the newer name) or `max_tokens`.
-fn max_tokens(o: &Map<String, Value>, default: u32) -> Result<u32, BadRequest> {
+/// The caller's max_tokens, or `default` (then marked as one: the router
+/// shortens it to the room the prompt leaves in the context).
+fn max_tokens(o: &Map<String, Value>, default: u32) -> Result<(u32, bool), BadRequest> {
     let key = if o.get("max_completion_tokens").is_some_and(|v| !v.is_null()) {
         "max_completion_tokens"
     } else {
         "max_tokens"
     };
     match number(o, key)? {
-        None => Ok(default),
+        None => Ok((default, true)),
         Some(n) if n.fract() != 0.0 => Err(bad(key, format!("{key} must be an integer, got {n}"))),
         Some(n) if n < 1.0 => Err(bad(key, format!("{key} must be at least 1, got {n}"))),
         Some(n) if n > u32::MAX as f64 => Err(bad(key, format!("{key} is too large: {n}"))),
-        Some(n) => Ok(n as u32),
+        Some(n) => Ok((n as u32, false)),
     }
 }
 
@@ -235,7 +237,7 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
         Kind::Chat => messages(o)?,
         Kind::Completion => prompt(o)?,
     };
-    let max_tokens = max_tokens(o, default_max_tokens)?;
+    let (max_tokens, max_tokens_to_fit) = max_tokens(o, default_max_tokens)?;
     let sampling = sampling(o)?;
     match number(o, "n")? {
         None | Some(1.0) => {}
@@ -258,6 +260,7 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
             max_tokens,
             stop,
             ignore_eos,
+            max_tokens_to_fit,
         },
         stream,
         include_usage,

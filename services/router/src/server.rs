@@ -24,7 +24,7 @@ use tracing::Instrument;
 use crate::dispatch::Avoid;
 use crate::load::Loads;
 use crate::relay::Failed;
-use crate::validate::{check_fits, validate, Input, Job};
+use crate::validate::{check_fits, fit_max_tokens, validate, Input, Job};
 
 /// How long to wait for a worker of some kind to appear.
 pub const PEER_WAIT: Duration = Duration::from_secs(2);
@@ -203,9 +203,12 @@ impl Router {
     /// the ticket id in use, so the caller can cancel it when this fails.
     /// A prefill or decode worker that fails before the first token reached
     /// the caller is avoided on another dispatch (up to `--retries` times).
-    async fn run(&self, input: Input, job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
+    async fn run(&self, input: Input, mut job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
         let started = Instant::now();
         let (context, prompt) = self.tokenize(input, job.deadline).await?;
+        if job.max_tokens_to_fit {
+            job.max_tokens = fit_max_tokens(prompt.len(), job.max_tokens, context);
+        }
         check_fits(prompt.len(), job.max_tokens, context)?;
         let n_prompt = prompt.len() as u32;
         let mut avoid = Avoid::default();

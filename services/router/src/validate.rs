@@ -9,6 +9,8 @@ pub struct Job {
     pub request_id: String,
     pub sampling: common::SamplingParams,
     pub max_tokens: u32,
+    /// `max_tokens` is a default: fewer when the prompt leaves less room.
+    pub max_tokens_to_fit: bool,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     /// When the request must end (set once it is accepted); the prefill
@@ -63,11 +65,19 @@ pub fn validate(
         request_id,
         sampling: s,
         max_tokens: r.max_tokens,
+        max_tokens_to_fit: r.max_tokens_to_fit,
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         deadline: None,
     };
     Ok((input, job))
+}
+
+/// A default `max_tokens` shortened to the room the prompt leaves in the
+/// context (the first generated token needs no position of its own).
+pub fn fit_max_tokens(n_prompt: usize, max_tokens: u32, context: u32) -> u32 {
+    let room = (context as u64 + 1).saturating_sub(n_prompt as u64);
+    (max_tokens as u64).min(room).max(1) as u32
 }
 
 /// The prompt must fit the context with room for `max_tokens` (the first
@@ -89,6 +99,16 @@ pub fn check_fits(n_prompt: usize, max_tokens: u32, context: u32) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_default_max_tokens_shrinks_to_the_room_left() {
+        assert_eq!(fit_max_tokens(10, 256, 8192), 256);
+        assert_eq!(fit_max_tokens(8000, 256, 8192), 193);
+        assert!(check_fits(8000, fit_max_tokens(8000, 256, 8192), 8192).is_ok());
+        assert!(check_fits(8000, 194, 8192).is_err());
+        // A prompt that fills the context still fails, as too long.
+        assert!(check_fits(8193, fit_max_tokens(8193, 256, 8192), 8192).is_err());
+    }
 
     fn req(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
         pb::GenerateRequest {

@@ -253,6 +253,7 @@ pub fn chat_request(user: &str, max_tokens: u32, ignore_eos: bool) -> pb::Genera
         max_tokens,
         stop: vec![],
         ignore_eos,
+        max_tokens_to_fit: false,
     }
 }
 
@@ -411,6 +412,7 @@ pub fn raw_request(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
         max_tokens,
         stop: vec![],
         ignore_eos: true,
+        max_tokens_to_fit: false,
     }
 }
 
