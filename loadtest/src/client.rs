@@ -156,6 +156,9 @@ async fn exchange(req: &Request<'_>, t0: Instant, rec: &mut Record) -> Outcome {
         }
         scan = header_end.unwrap_or(0) + pos;
     }
+    if header_end.is_none() {
+        return Outcome::Transport { message: "connection closed before the response".into() };
+    }
     if status != 200 {
         let body = header_end.map(|h| if chunked { dechunk(&buf[h..]) } else { buf[h..].to_vec() }).unwrap_or_default();
         let message = serde_json::from_slice::<serde_json::Value>(&body)

@@ -309,6 +309,10 @@ async fn measure(
     let total = if a.mode == Mode::Agentic { a.sessions * a.rounds } else { a.requests };
     let ticker = progress_ticker(total);
     let sampler = Sampler::start(metrics.to_vec(), Duration::from_millis(a.sample_ms.max(50)), t_point);
+    // Records' start_s counts from here: the wall clock lets a reader line
+    // them up with traces, logs and outside events (a kill in a chaos test).
+    let started_unix_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let (records, wall) = run_point(a, wl, at, stop).await;
     ticker.abort();
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -320,7 +324,7 @@ async fn measure(
     eprintln!("  ok {} errors {} stalled {}; {:.1} output tok/s", p.ok, p.errors, p.stalled, p.output_tokens_per_s);
     sw.runs.push(serde_json::json!({
         "level": at.level, "side": at.side, "round": at.round, "target": wl.addr,
-        "records": records, "metrics_samples": samples,
+        "started_unix_ms": started_unix_ms, "records": records, "metrics_samples": samples,
     }));
     if at.side == "A" {
         sw.last_a = Some((format!("{}: {}", a.label_a, a.describe(at.level)), records, samples));

@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use crate::client::{Outcome, Record, Request};
 
+/// Pause of a closed-loop client after a transport failure (refused, reset).
+const TRANSPORT_PAUSE: Duration = Duration::from_millis(100);
+
 /// Live counts for the progress line.
 #[derive(Default)]
 pub struct Progress {
@@ -197,7 +200,14 @@ pub async fn closed_loop(
                     stall: w.stall,
                     timeout: w.timeout,
                 };
-                out.push(send(req, t_run).await);
+                let r = send(req, t_run).await;
+                // A client that could not reach the server waits a little
+                // before its next request, as a real one would, instead of
+                // spinning through the prompts while the target restarts.
+                if matches!(r.outcome, Outcome::Transport { .. }) {
+                    tokio::time::sleep(TRANSPORT_PAUSE).await;
+                }
+                out.push(r);
             }
         }));
     }

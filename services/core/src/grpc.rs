@@ -15,6 +15,13 @@ pub fn is_transport(e: &tonic::Status) -> bool {
     std::error::Error::source(e).is_some() && !timed_out(e)
 }
 
+/// Whether the peer could not be reached or went away (the connection
+/// broke or was refused, or it answered UNAVAILABLE), so that asking again
+/// — the same service restarted, or another instance — may succeed.
+pub fn peer_lost(e: &tonic::Status) -> bool {
+    is_transport(e) || e.code() == tonic::Code::Unavailable && !timed_out(e)
+}
+
 /// Whether the call ended because its own timeout (set from the request's
 /// deadline) expired.
 pub fn timed_out(e: &tonic::Status) -> bool {

@@ -59,6 +59,10 @@ pub mod rpc {
     pub const KVBROKER_CANCEL_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/CancelTicket";
     pub const KVBROKER_RENEW_LEASE: &str = "pdmesh.kvbroker.v1.KvBroker/RenewLease";
     pub const KVBROKER_GET_AGENT: &str = "pdmesh.kvbroker.v1.KvBroker/GetAgent";
+    // Polling and registration (not traced).
+    pub const PREFILL_LOAD: &str = "pdmesh.prefill.v1.Prefill/Load";
+    pub const DECODE_LOAD: &str = "pdmesh.decode.v1.Decode/Load";
+    pub const KVBROKER_REGISTER_AGENT: &str = "pdmesh.kvbroker.v1.KvBroker/RegisterAgent";
 
     /// The methods served under a span of their own (the per-request ones;
     /// polling and registration RPCs are left out so they do not flood the
@@ -138,6 +142,9 @@ pub mod attr {
     /// Router's Generate: dispatches repeated after a decode worker died or broke before the first token.
     pub const DECODE_RETRIES: &str = "router.decode_retries";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
+    /// Router (`detokenize`): the tokenizer was lost mid-stream and the
+    /// stream replayed on a fresh one.
+    pub const DETOKENIZE_REOPENED: &str = "detokenize.reopened";
     pub const DETOKENIZE_BUSY_MS: &str = "detokenize.busy_ms";
 
     // Prefill.
@@ -185,6 +192,12 @@ pub mod attr {
     pub const TICKET_BLOCKS: &str = "pdmesh.ticket.blocks";
     pub const TICKET_LEASE_MS: &str = "pdmesh.ticket.lease_ms";
     pub const TICKET_KV_BYTES: &str = "pdmesh.kv.bytes";
+    /// Decode (`await_kv`): times the ticket was opened again at a
+    /// kvbroker that had lost it (restarted) before any transfer began.
+    pub const TICKET_REOPENED: &str = "pdmesh.ticket.reopened";
+    /// Prefill (its server span): times the claim was asked again of a
+    /// kvbroker after the one it waited on went away.
+    pub const TICKET_RECLAIMED: &str = "pdmesh.ticket.reclaimed";
 
     // Tokenizer.
     pub const TOKENS: &str = "tokens";

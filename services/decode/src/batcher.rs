@@ -80,6 +80,8 @@ pub struct Stats {
     pub local_prefills: AtomicU64,
     /// Prompt tokens computed by local prefills.
     pub local_prefill_tokens: AtomicU64,
+    /// Tickets opened again at a kvbroker that had lost them.
+    pub tickets_reopened: AtomicU64,
     pub prefix: SharedPrefix,
     pub block_bytes: usize,
 }
@@ -114,6 +116,7 @@ impl Batcher {
             local_prefilling: AtomicU32::new(0),
             local_prefills: AtomicU64::new(0),
             local_prefill_tokens: AtomicU64::new(0),
+            tickets_reopened: AtomicU64::new(0),
             prefix: SharedPrefix::new(&engine.kv.blocks),
             block_bytes: engine.kv.layout.block_bytes(),
         });

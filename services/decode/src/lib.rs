@@ -33,7 +33,8 @@ fn render(st: &Stats, f: Format) -> String {
         .histogram("pdmesh_decode_step_seconds", "Duration of one decode step.", &st.step_seconds)
         .gauge("pdmesh_decode_local_prefilling", "Local prefills admitted and not yet at their first token.", g(&st.local_prefilling))
         .counter("pdmesh_decode_local_prefills_total", "Prompts prefilled by this decode worker itself (local prefill).", st.local_prefills.load(Ordering::Relaxed))
-        .counter("pdmesh_decode_local_prefill_tokens_total", "Prompt tokens computed by local prefills (cached ones not counted).", st.local_prefill_tokens.load(Ordering::Relaxed));
+        .counter("pdmesh_decode_local_prefill_tokens_total", "Prompt tokens computed by local prefills (cached ones not counted).", st.local_prefill_tokens.load(Ordering::Relaxed))
+        .counter("pdmesh_decode_tickets_reopened_total", "Transfer tickets opened again at a kvbroker that had lost them (restarted) before their transfer began.", st.tickets_reopened.load(Ordering::Relaxed));
     st.outcomes.render(&mut t, "pdmesh_decode_requests_total", "Finished decode requests by outcome.");
     st.prefix.render("decode", st.block_bytes, &mut t);
     t.finish()

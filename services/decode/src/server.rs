@@ -147,7 +147,6 @@ impl Service {
         };
         let n_blocks = blocks.len() as u32;
         tracing::Span::current().record(attr::KV_BLOCKS_RESERVED, n_blocks as i64);
-        let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
         let open = kpb::OpenTicketRequest {
             request_id: r.request_id.clone(),
             dest_worker: self.worker_id.clone(),
@@ -155,10 +154,10 @@ impl Service {
             n_tokens: n_prompt,
             lease_ms: self.lease_ms,
         };
-        let (open, span) = telemetry::client_request(rpc::KVBROKER_OPEN_TICKET, open);
-        let opened = broker.open_ticket(open).instrument(span.clone()).await;
-        telemetry::finish(&span, opened)
-            .map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
+        let opened =
+            pdmesh_worker::at_broker(&self.broker, BROKER_PATIENCE, |b, left| open_ticket(b, &open, left)).await;
+        let ((), mut broker) =
+            opened.map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
         // The watch (and its span) lasts until the ticket ends.
         let await_kv = tracing::info_span!(parent: server, span::AWAIT_KV);
         let (watch, wspan) = {
@@ -185,6 +184,9 @@ impl Service {
             watch,
             tx,
             broker,
+            peers: self.broker.clone(),
+            open,
+            reopened: 0,
             request_id: r.request_id,
             res,
             batcher: self.batcher.clone(),
@@ -203,6 +205,11 @@ struct Waiting {
     watch: tonic::Streaming<kpb::Ticket>,
     tx: Events,
     broker: pdmesh_worker::BrokerClient,
+    /// Where kvbrokers are found, and the ticket as opened: a broker that
+    /// restarts has lost it, and is told again (see [`Waiting::reopen`]).
+    peers: Peers,
+    open: kpb::OpenTicketRequest,
+    reopened: u32,
     request_id: String,
     res: Reservation,
     batcher: Batcher,
@@ -240,7 +247,16 @@ impl Waiting {
                         _ => continue,
                     },
                     Ok(None) | Err(_) => {
-                        // The broker is gone: a prefill may have claimed meanwhile.
+                        // The broker is gone. If no prefill had claimed the
+                        // ticket, no write can have begun: open it again at
+                        // the (restarted) broker and keep waiting.
+                        if !self.res.claimed {
+                            if let Some(w) = self.reopen().await {
+                                self.watch = w;
+                                continue;
+                            }
+                        }
+                        // A prefill may have claimed meanwhile.
                         self.res.claimed = true;
                         cancel(self.broker.clone(), &self.request_id, "decode lost the kvbroker watch");
                         break Status::unavailable("kvbroker connection lost while waiting for the KV");
@@ -253,6 +269,51 @@ impl Waiting {
         telemetry::record_status(&self.server, Some(&end));
         let _ = self.tx.send(Err(end));
     }
+}
+
+impl Waiting {
+    /// Open the ticket again at whichever kvbroker is live (a restarted
+    /// one has an empty table), then watch it. Tried for up to one lease:
+    /// the blocks stay reserved meanwhile, as they would for an open ticket.
+    /// `None` if no broker took it in that time or the client left.
+    async fn reopen(&mut self) -> Option<tonic::Streaming<kpb::Ticket>> {
+        let patience = Duration::from_millis(u64::from(self.open.lease_ms));
+        let (open, id) = (&self.open, &self.request_id);
+        let again = pdmesh_worker::at_broker(&self.peers, patience, |mut b, left| async move {
+            match open_ticket(b.clone(), open, left).await {
+                // FAILED_PRECONDITION: this broker still has the ticket (only
+                // the watch broke); the watch tells its state.
+                Err(e) if e.code() != tonic::Code::FailedPrecondition => return Err(e),
+                _ => {}
+            }
+            b.watch_ticket(kpb::WatchTicketRequest { request_id: id.clone() }).await.map(Response::into_inner)
+        });
+        let (watch, broker) = tokio::select! {
+            r = again => r.ok()?,
+            _ = self.tx.closed() => return None,
+        };
+        self.broker = broker;
+        self.reopened += 1;
+        self.batcher.stats.tickets_reopened.fetch_add(1, Ordering::Relaxed);
+        self.spans.1.span().set_attribute(attr::TICKET_REOPENED, i64::from(self.reopened));
+        Some(watch)
+    }
+}
+
+/// How long admission waits for a kvbroker that cannot be reached (one
+/// restarting) before refusing the request.
+const BROKER_PATIENCE: Duration = Duration::from_secs(3);
+
+/// OpenTicket at `b`, within `left`.
+async fn open_ticket(
+    mut b: pdmesh_worker::BrokerClient,
+    open: &kpb::OpenTicketRequest,
+    left: Duration,
+) -> Result<(), Status> {
+    let (mut req, span) = telemetry::client_request(rpc::KVBROKER_OPEN_TICKET, open.clone());
+    req.set_timeout(left);
+    let r = b.open_ticket(req).instrument(span.clone()).await;
+    telemetry::finish(&span, r).map(|_| ())
 }
 
 /// Cancel a ticket in the background (best effort: leases cover failures).

@@ -482,31 +482,58 @@ struct Opened {
 }
 
 /// Call the router and wait for its first event, so that refusals get
-/// their own HTTP status.
+/// their own HTTP status. Nothing has reached the client before that
+/// event, so a router that cannot be reached or dies first (killed,
+/// restarting) is asked again, the restarted one or another, for up to
+/// `ROUTER_PATIENCE` within the deadline.
 async fn open(g: &Gateway, request: pb::GenerateRequest, deadline: Duration) -> Result<Opened, Response> {
-    let list = g.router.wait_any(Duration::from_secs(2)).await.ok_or_else(|| unavailable("no router is available"))?;
-    let ch = g.router.channel(&list[0]).map_err(|e| error_body(500, &e, "internal_error", None, None))?;
-    let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, request);
-    let end = telemetry::Held(rpc.clone());
-    req.set_timeout(deadline);
-    let mut client = pb::router_client::RouterClient::new(ch);
-    let call = async {
-        let mut s = client.generate(req).await?.into_inner();
-        let first = s.message().await?;
-        Ok::<_, tonic::Status>((s, first))
-    };
-    match tokio::time::timeout(deadline + Duration::from_millis(500), call.instrument(rpc.clone())).await {
-        Ok(Ok((stream, first))) => Ok(Opened { stream, first, rpc, end }),
-        Ok(Err(s)) => {
-            telemetry::record_status(&rpc, Some(&s));
-            Err(status_response(&from_router(s)))
-        }
-        Err(_) => {
-            telemetry::mark_error(&rpc, "deadline exceeded");
-            Err(timed_out())
+    let t0 = tokio::time::Instant::now();
+    let patience = ROUTER_PATIENCE.min(deadline);
+    let mut attempt = 0usize;
+    loop {
+        let left = deadline.saturating_sub(t0.elapsed());
+        let list = g
+            .router
+            .wait_any(patience.saturating_sub(t0.elapsed()).max(Duration::from_millis(1)))
+            .await
+            .ok_or_else(|| unavailable("no router is available"))?;
+        let ch = g
+            .router
+            .channel(&list[attempt % list.len()])
+            .map_err(|e| error_body(500, &e, "internal_error", None, None))?;
+        attempt += 1;
+        let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, request.clone());
+        let end = telemetry::Held(rpc.clone());
+        req.set_timeout(left);
+        let mut client = pb::router_client::RouterClient::new(ch);
+        let call = async {
+            let mut s = client.generate(req).await?.into_inner();
+            let first = s.message().await?;
+            Ok::<_, tonic::Status>((s, first))
+        };
+        match tokio::time::timeout(left + Duration::from_millis(500), call.instrument(rpc.clone())).await {
+            Ok(Ok((stream, first))) => return Ok(Opened { stream, first, rpc, end }),
+            Ok(Err(s)) => {
+                telemetry::record_status(&rpc, Some(&s));
+                let again = t0.elapsed() + ROUTER_RETRY;
+                if pdmesh_core::grpc::is_transport(&s) && again < patience {
+                    tokio::time::sleep(ROUTER_RETRY).await;
+                    continue;
+                }
+                return Err(status_response(&from_router(s)));
+            }
+            Err(_) => {
+                telemetry::mark_error(&rpc, "deadline exceeded");
+                return Err(timed_out());
+            }
         }
     }
 }
+
+/// How long a request waits for a router that cannot be reached.
+const ROUTER_PATIENCE: Duration = Duration::from_secs(3);
+/// Pause before asking a router that could not be reached again.
+const ROUTER_RETRY: Duration = Duration::from_millis(100);
 
 /// What every response object of one request repeats.
 #[derive(Clone)]

@@ -9,8 +9,6 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Mesh;
@@ -26,40 +24,6 @@ fn ctl_refused(args: &[&str], discovery: &str) -> String {
     let out = common::meshctl(args, &["--discovery", discovery]);
     assert!(!out.status.success(), "meshctl {args:?} should have been refused");
     String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// A closed loop of 16 `pdmesh-loadtest` clients on `gateway`, reporting to `report`.
-fn start_load(gateway: &str, report: &Path) -> std::process::Child {
-    let loadtest = Path::new(env!("CARGO_BIN_EXE_meshctl")).with_file_name("pdmesh-loadtest");
-    Command::new(&loadtest)
-        .args(["--target", gateway, "--mode", "closed", "--concurrency", "16", "--requests", "100000"])
-        .args(["--max-tokens", "16", "--stall-s", "60", "--timeout-s", "120", "--out"])
-        .arg(report)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {}: {e}", loadtest.display()))
-}
-
-/// Stop the load (SIGINT: it finishes what is in flight) and read its report's records.
-fn stop_load(mut load: std::process::Child, report: &Path) -> (serde_json::Value, Vec<serde_json::Value>) {
-    common::signal(load.id() as i32, libc::SIGINT);
-    let status = load.wait().unwrap();
-    assert!(status.success(), "pdmesh-loadtest exited with {status}");
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
-    let records = r["runs"][0]["records"].as_array().cloned().unwrap_or_default();
-    (r["points"][0].clone(), records)
-}
-
-/// Wait until the gateway has answered `n` more requests ok.
-async fn flowing(mesh: &Mesh, n: f64) {
-    let ok = "pdmesh_gateway_requests_total{outcome=\"ok\"}";
-    let start = mesh.gauge("gateway", ok).await;
-    let t0 = Instant::now();
-    while mesh.gauge("gateway", ok).await < start + n {
-        assert!(t0.elapsed() < Duration::from_secs(60), "no load reached the gateway");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Registered instance ids of `pdmesh-<kind>` at the agent.
@@ -85,8 +49,8 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
         ])
     });
     let report = mesh.dir.join("load.json");
-    let load = start_load(&mesh.gateway, &report);
-    flowing(&mesh, 16.0).await;
+    let load = common::start_load(&mesh.gateway, &report, &[]);
+    mesh.flowing(16.0).await;
     // What would break the mesh is refused, with the reason.
     let e = tokio::task::block_in_place(|| ctl_refused(&["drain", "decode-0"], &url));
     assert!(e.contains("the last decode"), "{e}");
@@ -117,7 +81,7 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
     }
     // Let the load run on the new processes a little, then stop it.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (p, _) = stop_load(load, &report);
+    let (p, _) = common::stop_load(load, &report);
     eprintln!(
         "under load: {} requests, {} ok, {} errors, {} stalled",
         p["requests"], p["ok"], p["errors"], p["stalled"]
@@ -135,8 +99,8 @@ async fn scaling_and_a_rolling_restart_under_load_fail_no_request_and_a_kill_fai
 async fn kill_a_decode_under_load(mesh: &Mesh, fake: &FakeConsul, url: &str) {
     tokio::task::block_in_place(|| ctl(&["scale", "decode=2"], url));
     let report = mesh.dir.join("load-kill.json");
-    let load = start_load(&mesh.gateway, &report);
-    flowing(mesh, 16.0).await;
+    let load = common::start_load(&mesh.gateway, &report, &[]);
+    mesh.flowing(16.0).await;
     let decodes = mesh.metrics_all("decode").await;
     let held = |t: &str| {
         ["pdmesh_decode_running", "pdmesh_decode_awaiting_kv", "pdmesh_decode_queued", "pdmesh_decode_local_prefilling"]
@@ -157,7 +121,8 @@ async fn kill_a_decode_under_load(mesh: &Mesh, fake: &FakeConsul, url: &str) {
     }
     let seen = t0.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (p, records) = stop_load(load, &report);
+    let (p, run) = common::stop_load(load, &report);
+    let records = run["records"].as_array().cloned().unwrap_or_default();
     let failed: Vec<&serde_json::Value> = records.iter().filter(|r| r["outcome"]["kind"] != "ok").collect();
     eprintln!(
         "kill -9 of {victim} serving {serving}: its check failed after {seen:?}; {} requests, {} failed: {:?}",

@@ -13,7 +13,7 @@ use pdmesh_proto::prefill::v1 as pb;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use pdmesh_core::telemetry;
+use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::batcher::Batcher;
 use pdmesh_core::vocab::{attr, rpc, span};
@@ -36,16 +36,47 @@ pub struct Service {
 impl Service {
     /// The decode worker's transfer endpoint, asked of the broker for every
     /// transfer (a restarted decode keeps its id but has a new arena and
-    /// NIXL agent).
+    /// NIXL agent). A broker that restarted learns each worker again within
+    /// one registration period: until then it is asked again.
     async fn agent(&self, broker: &mut pdmesh_worker::BrokerClient, worker: &str) -> Result<kpb::Agent, Status> {
-        let (req, span) =
-            telemetry::client_request(rpc::KVBROKER_GET_AGENT, kpb::GetAgentRequest { worker_id: worker.into() });
-        let r = broker.get_agent(req).instrument(span.clone()).await;
-        Ok(telemetry::finish(&span, r)
-            .map_err(|e| {
-                Status::unavailable(format!("decode worker {worker} is unknown to the kvbroker: {}", e.message()))
-            })?
-            .into_inner())
+        let until = Instant::now() + pdmesh_worker::REGISTER_EVERY + pdmesh_worker::BROKER_RETRY;
+        loop {
+            let (req, span) =
+                telemetry::client_request(rpc::KVBROKER_GET_AGENT, kpb::GetAgentRequest { worker_id: worker.into() });
+            let r = broker.get_agent(req).instrument(span.clone()).await;
+            match telemetry::finish(&span, r) {
+                Ok(a) => return Ok(a.into_inner()),
+                Err(e) if e.code() == tonic::Code::NotFound && Instant::now() < until => {
+                    tokio::time::sleep(pdmesh_worker::BROKER_RETRY).await
+                }
+                Err(e) => {
+                    return Err(Status::unavailable(format!(
+                        "decode worker {worker} is unknown to the kvbroker: {}",
+                        e.message()
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Claim the transfer ticket, waiting (up to `--claim-timeout`) for the
+    /// decode worker to open it. A kvbroker lost meanwhile (killed, then
+    /// restarted by its supervisor) is asked again: the decode opens its
+    /// ticket again there, since no transfer had begun.
+    async fn claim(&self, request_id: &str) -> Result<(kpb::Ticket, pdmesh_worker::BrokerClient), Status> {
+        let req = kpb::ClaimTicketRequest { request_id: request_id.to_string(), source_worker: self.worker_id.clone() };
+        let mut tries = 0;
+        let claimed = pdmesh_worker::at_broker(&self.broker, self.claim_timeout, |mut b, left| {
+            tries += 1;
+            let (mut claim, span) = telemetry::client_request(rpc::KVBROKER_CLAIM_TICKET, req.clone());
+            claim.set_timeout(left);
+            async move { b.claim_ticket(claim).instrument(span).await.map(Response::into_inner) }
+        })
+        .await;
+        if tries > 1 {
+            tracing::Span::current().set_attribute(attr::TICKET_RECLAIMED, i64::from(tries - 1));
+        }
+        claimed.map_err(claim_failure)
     }
 
     async fn run(&self, r: pb::PrefillRequest, deadline: Option<Instant>) -> Result<pb::PrefillResponse, Status> {
@@ -68,24 +99,7 @@ impl Service {
         };
         let first = pinned.p.first_token;
         let cached_tokens = pinned.p.cached_tokens as u32;
-        let mut broker = pdmesh_worker::broker(&self.broker, Duration::from_secs(2)).await?;
-        let (mut claim, span) = telemetry::client_request(
-            rpc::KVBROKER_CLAIM_TICKET,
-            kpb::ClaimTicketRequest { request_id: r.request_id.clone(), source_worker: self.worker_id.clone() },
-        );
-        claim.set_timeout(self.claim_timeout);
-        let claimed = broker.claim_ticket(claim).instrument(span.clone()).await;
-        drop(span);
-        let ticket = claimed.map_err(|e| match e.code() {
-            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
-                Status::deadline_exceeded("no decode worker opened the transfer ticket in time")
-            }
-            tonic::Code::FailedPrecondition => {
-                Status::failed_precondition(format!("transfer ticket ended before the KV was written: {}", e.message()))
-            }
-            _ => Status::unavailable(format!("kvbroker: {}", e.message())),
-        })?;
-        let ticket = ticket.into_inner();
+        let (ticket, mut broker) = self.claim(&r.request_id).await?;
         if ticket.n_tokens as usize != pinned.p.n_tokens {
             let why = format!("decode reserved {} positions, prefill has {}", ticket.n_tokens, pinned.p.n_tokens);
             let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
@@ -220,6 +234,19 @@ impl Service {
         req.set_timeout(Duration::from_secs(1));
         let r = b.renew_lease(req).instrument(span.clone()).await;
         let _ = telemetry::finish(&span, r);
+    }
+}
+
+/// The status of a claim that failed for good.
+fn claim_failure(e: Status) -> Status {
+    match e.code() {
+        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+            Status::deadline_exceeded("no decode worker opened the transfer ticket in time")
+        }
+        tonic::Code::FailedPrecondition => {
+            Status::failed_precondition(format!("transfer ticket ended before the KV was written: {}", e.message()))
+        }
+        _ => Status::unavailable("the kvbroker could not be reached"),
     }
 }
 

@@ -26,15 +26,24 @@ fn delta(ids: Vec<u32>, text: String) -> pb::GenerateResponse {
     pb::GenerateResponse { event: Some(pb::generate_response::Event::Delta(pb::Delta { ids, text })) }
 }
 
-/// The open Detokenize stream of one request, with its spans: `detokenize`
+/// The Detokenize stream of one request and its `detokenize` span, which
 /// lasts from the first token to the end of the stream.
 struct Detok {
-    tx: mpsc::Sender<tpb::DetokenizeRequest>,
-    rx: tonic::Streaming<tpb::DetokenizeResponse>,
+    stream: DetokStream,
     span: telemetry::Held,
-    rpc: telemetry::Held,
     busy: Duration,
     calls: u32,
+    /// Every id sent and the bytes of text received, so that a stream lost
+    /// with its tokenizer can be replayed on a fresh one.
+    sent: Vec<u32>,
+    text_len: usize,
+}
+
+/// One open Detokenize call and its client span.
+struct DetokStream {
+    tx: mpsc::Sender<tpb::DetokenizeRequest>,
+    rx: tonic::Streaming<tpb::DetokenizeResponse>,
+    rpc: telemetry::Held,
 }
 
 /// What the relay has sent so far.
@@ -163,9 +172,9 @@ impl Router {
     async fn on_finished(&self, out: &mut Out, reason: i32, tx: &Tx) -> common::FinishReason {
         let mut rest = String::new();
         if let Some(mut d) = out.detok.take() {
-            drop(d.tx);
+            drop(d.stream.tx);
             let t = Instant::now();
-            while let Ok(Some(m)) = d.rx.message().instrument(d.rpc.span().clone()).await {
+            while let Ok(Some(m)) = d.stream.rx.message().instrument(d.stream.rpc.span().clone()).await {
                 rest.push_str(&m.text);
             }
             d.busy += t.elapsed();
@@ -187,44 +196,83 @@ impl Router {
         }
     }
 
-    async fn open_detokenize(&self) -> Result<Detok, Status> {
-        let span = tracing::info_span!(span::DETOKENIZE);
-        let (s, r) = mpsc::channel(16);
+    /// A Detokenize call under `span` (the request's `detokenize` span).
+    async fn open_stream(&self, span: &tracing::Span) -> Result<DetokStream, Status> {
+        let (tx, r) = mpsc::channel(16);
         let mut c = self.tokenizer_client()?;
         let (req, rpc) = {
             let _g = span.enter();
             telemetry::client_request(rpc::TOKENIZER_DETOKENIZE, tokio_stream::wrappers::ReceiverStream::new(r))
         };
         let resp = c.detokenize(req).instrument(rpc.clone()).await;
-        let resp =
-            telemetry::finish(&rpc, resp).map_err(|e| Status::unavailable(format!("tokenizer: {}", e.message())))?;
-        Ok(Detok {
-            tx: s,
-            rx: resp.into_inner(),
-            span: telemetry::Held(span),
-            rpc: telemetry::Held(rpc),
-            busy: Duration::ZERO,
-            calls: 0,
-        })
+        let rx = telemetry::finish(&rpc, resp)?.into_inner();
+        Ok(DetokStream { tx, rx, rpc: telemetry::Held(rpc) })
     }
 
+    /// The text of the next `ids`.
     async fn detokenize(&self, detok: &mut Option<Detok>, ids: Vec<u32>) -> Result<String, Status> {
         if detok.is_none() {
-            *detok = Some(self.open_detokenize().await?);
+            let span = tracing::info_span!(span::DETOKENIZE);
+            let until = Instant::now() + crate::server::PEER_WAIT;
+            let stream = self.open_patiently(&span, until).await?;
+            let span = telemetry::Held(span);
+            *detok = Some(Detok { stream, span, busy: Duration::ZERO, calls: 0, sent: Vec::new(), text_len: 0 });
         }
         let d = detok.as_mut().expect("just set");
         let t = Instant::now();
         d.calls += 1;
-        d.tx.send(tpb::DetokenizeRequest { ids, render_special: false })
-            .await
-            .map_err(|_| Status::unavailable("tokenizer stream closed"))?;
-        let r = match d.rx.message().await {
-            Ok(Some(m)) => Ok(m.text),
-            Ok(None) => Err(Status::unavailable("tokenizer ended the detokenize stream")),
-            Err(e) => Err(Status::unavailable(format!("tokenizer: {}", e.message()))),
+        let r = match d.stream.next(ids.clone()).await {
+            Ok(text) => Ok(text),
+            Err(e) => {
+                telemetry::mark_error(d.stream.rpc.span(), e.message());
+                self.replay(d, &ids).await
+            }
         };
         d.busy += t.elapsed();
-        r
+        let text = r?;
+        d.sent.extend_from_slice(&ids);
+        d.text_len += text.len();
+        Ok(text)
+    }
+
+    /// A Detokenize call under `span`; a tokenizer that cannot be reached
+    /// (killed, restarting) is asked again, the restarted one or another,
+    /// until `until`.
+    async fn open_patiently(&self, span: &tracing::Span, until: Instant) -> Result<DetokStream, Status> {
+        loop {
+            let _ = self.tokenizer.wait_any(until.saturating_duration_since(Instant::now())).await;
+            match self.open_stream(span).await {
+                Ok(s) => return Ok(s),
+                Err(_) if Instant::now() + crate::server::PEER_RETRY < until => {
+                    tokio::time::sleep(crate::server::PEER_RETRY).await
+                }
+                Err(_) => return Err(tokenizer_lost()),
+            }
+        }
+    }
+
+    /// The tokenizer was lost mid-stream (killed, restarting): open a fresh
+    /// stream, at the restarted tokenizer or another, send it every id so
+    /// far and `ids`, and return only the text not yet received
+    /// (detokenizing is deterministic). Tried for up to `PEER_WAIT`.
+    async fn replay(&self, d: &mut Detok, ids: &[u32]) -> Result<String, Status> {
+        let until = Instant::now() + crate::server::PEER_WAIT;
+        let all: Vec<u32> = d.sent.iter().chain(ids).copied().collect();
+        loop {
+            let mut fresh = self.open_patiently(d.span.span(), until).await?;
+            match fresh.next(all.clone()).await {
+                Ok(full) => {
+                    d.stream = fresh;
+                    d.span.span().set_attribute(attr::DETOKENIZE_REOPENED, true);
+                    return Ok(full.get(d.text_len..).unwrap_or_default().to_string());
+                }
+                Err(e) => telemetry::mark_error(fresh.rpc.span(), e.message()),
+            }
+            if Instant::now() + crate::server::PEER_RETRY >= until {
+                return Err(tokenizer_lost());
+            }
+            tokio::time::sleep(crate::server::PEER_RETRY).await;
+        }
     }
 
     async fn finish(
@@ -251,6 +299,27 @@ impl Router {
             .await
             .map_err(|_| Status::cancelled("client went away"))
     }
+}
+
+impl DetokStream {
+    /// Send `ids`; their text.
+    async fn next(&mut self, ids: Vec<u32>) -> Result<String, Status> {
+        self.tx
+            .send(tpb::DetokenizeRequest { ids, render_special: false })
+            .await
+            .map_err(|_| Status::unavailable("the detokenize stream closed"))?;
+        match self.rx.message().instrument(self.rpc.span().clone()).await {
+            Ok(Some(m)) => Ok(m.text),
+            Ok(None) => Err(Status::unavailable("the tokenizer ended the detokenize stream")),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A tokenizer that could not be reached, or was lost mid-request and not
+/// replaced in time (the detail is on the Detokenize span).
+fn tokenizer_lost() -> Status {
+    Status::unavailable("the tokenizer was lost mid-request")
 }
 
 /// The prefill's answer (its cached-token count) when the decode finished

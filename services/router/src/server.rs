@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pdmesh_core::grpc::peer_lost;
 use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::peers::Peers;
 use pdmesh_core::telemetry::{self, SpanExt};
@@ -28,6 +29,8 @@ use crate::validate::{check_fits, fit_max_tokens, validate, Input, Job};
 
 /// How long to wait for a worker of some kind to appear.
 pub const PEER_WAIT: Duration = Duration::from_secs(2);
+/// Pause before asking a peer that could not be reached again.
+pub const PEER_RETRY: Duration = Duration::from_millis(100);
 
 #[derive(Default)]
 pub struct Metrics {
@@ -139,9 +142,11 @@ impl Router {
             .await
     }
 
+    /// The prompt's ids from the tokenizer. Encoding has no side effects:
+    /// a tokenizer that cannot be reached (killed, restarting) is asked
+    /// again, the restarted one or another, for up to `PEER_WAIT` within
+    /// the deadline.
     async fn encode(&self, input: Input, deadline: Option<Instant>) -> Result<Vec<u32>, Status> {
-        let _ = self.tokenizer.wait_any(PEER_WAIT).await;
-        let mut c = self.tokenizer_client()?;
         let input = match input {
             pb::generate_request::Input::Prompt(p) => tpb::encode_request::Input::Prompt(p),
             pb::generate_request::Input::Chat(c) => tpb::encode_request::Input::Chat(tpb::ChatMessages {
@@ -152,13 +157,28 @@ impl Router {
                     .collect(),
             }),
         };
-        let (mut req, span) = telemetry::client_request(
-            rpc::TOKENIZER_ENCODE,
-            tpb::EncodeRequest { input: Some(input), parse_special: false },
-        );
-        crate::dispatch::set_deadline(&mut req, deadline);
-        let r = c.encode(req).instrument(span.clone()).await;
-        let r = telemetry::finish(&span, r).map_err(|e| match e.code() {
+        let encode = tpb::EncodeRequest { input: Some(input), parse_special: false };
+        let until = Instant::now() + PEER_WAIT;
+        let r = loop {
+            let _ = self.tokenizer.wait_any(until.saturating_duration_since(Instant::now())).await;
+            let r = match self.tokenizer_client() {
+                Ok(mut c) => {
+                    let (mut req, span) = telemetry::client_request(rpc::TOKENIZER_ENCODE, encode.clone());
+                    crate::dispatch::set_deadline(&mut req, deadline);
+                    let r = c.encode(req).instrument(span.clone()).await;
+                    telemetry::finish(&span, r)
+                }
+                Err(e) => Err(e),
+            };
+            let again = Instant::now() + PEER_RETRY;
+            match r {
+                Err(e) if peer_lost(&e) && again < until && deadline.is_none_or(|d| again < d) => {
+                    tokio::time::sleep(PEER_RETRY).await
+                }
+                r => break r,
+            }
+        };
+        let r = r.map_err(|e| match e.code() {
             // Our own timeout, or the tokenizer enforcing the deadline we sent it.
             _ if crate::error::timed_out(&e)
                 || matches!(e.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded)
@@ -168,8 +188,9 @@ impl Router {
                 Status::deadline_exceeded("the request's deadline passed while tokenizing")
             }
             tonic::Code::InvalidArgument => e,
-            _ if crate::error::is_transport(&e) => Status::unavailable("the tokenizer could not be reached"),
-            _ => Status::unavailable(format!("tokenizer: {}", e.message())),
+            _ if peer_lost(&e) => Status::unavailable("the tokenizer could not be reached"),
+            // The detail is on the Encode span; the client hears what failed.
+            _ => Status::unavailable("the tokenizer failed"),
         })?;
         Ok(r.into_inner().ids)
     }

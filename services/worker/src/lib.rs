@@ -200,6 +200,41 @@ pub async fn broker(peers: &Peers, timeout: Duration) -> Result<BrokerClient, St
     Ok(kpb::kv_broker_client::KvBrokerClient::new(ch))
 }
 
+/// Pause before asking a kvbroker again after losing one.
+pub const BROKER_RETRY: Duration = Duration::from_millis(200);
+
+/// Run `call` (given a client and the time left) at a live kvbroker. While
+/// the broker cannot be reached — killed, restarting — ask again, the
+/// restarted one or another, until `patience` has passed. The answer, and
+/// the client that gave it.
+pub async fn at_broker<T, Fut>(
+    peers: &Peers,
+    patience: Duration,
+    mut call: impl FnMut(BrokerClient, Duration) -> Fut,
+) -> Result<(T, BrokerClient), Status>
+where
+    Fut: std::future::Future<Output = Result<T, Status>>,
+{
+    let until = tokio::time::Instant::now() + patience;
+    loop {
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        let r = match broker(peers, left.min(Duration::from_secs(2))).await {
+            Ok(c) => call(c.clone(), left).await.map(|t| (t, c)),
+            Err(e) => Err(e),
+        };
+        match r {
+            Err(e) if pdmesh_core::grpc::peer_lost(&e) && left > BROKER_RETRY * 2 => {
+                tokio::time::sleep(BROKER_RETRY).await
+            }
+            r => return r,
+        }
+    }
+}
+
+/// How often a worker registers its transfer endpoint again: a kvbroker
+/// that restarted knows every worker again within this period.
+pub const REGISTER_EVERY: Duration = Duration::from_secs(2);
+
 /// Keep `agent` registered at the broker: now, and again every `every`
 /// (a restarted broker learns it again). Returns once the first
 /// registration succeeded; `ready` is told each outcome.
@@ -301,7 +336,7 @@ pub async fn serve_worker(
         pdmesh_core::grpc::standard_routes(grpc.routes, grpc.name).await.map_err(ServeError::Setup)?;
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("local address: {e}")))?;
     let (ready_tx, mut ready_rx) = tokio::sync::watch::channel(false);
-    let registrar = tokio::spawn(keep_registered(link.broker, link.agent, Duration::from_secs(2), ready_tx));
+    let registrar = tokio::spawn(keep_registered(link.broker, link.agent, REGISTER_EVERY, ready_tx));
     let announced: Arc<Mutex<Option<Announced>>> = Arc::default();
     let gate = async {
         let mut was = false;

@@ -468,3 +468,56 @@ pub fn meshctl_ok(args: &[&str], at: &[&str]) -> serde_json::Value {
     assert!(out.status.success(), "meshctl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap_or_default()
 }
+
+/// A closed loop of 16 `pdmesh-loadtest` clients on `gateway` (16 tokens
+/// each), reporting to `report`; `extra` holds flag/value pairs that
+/// replace the defaults or add to them.
+pub fn start_load(gateway: &str, report: &std::path::Path, extra: &[(&str, &str)]) -> Child {
+    let loadtest = std::path::Path::new(env!("CARGO_BIN_EXE_meshctl")).with_file_name("pdmesh-loadtest");
+    let mut flags: Vec<(&str, &str)> = vec![
+        ("--target", gateway),
+        ("--mode", "closed"),
+        ("--concurrency", "16"),
+        ("--requests", "100000"),
+        ("--max-tokens", "16"),
+        ("--stall-s", "60"),
+        ("--timeout-s", "120"),
+    ];
+    for &(flag, value) in extra {
+        match flags.iter_mut().find(|(f, _)| *f == flag) {
+            Some(f) => f.1 = value,
+            None => flags.push((flag, value)),
+        }
+    }
+    Command::new(&loadtest)
+        .args(flags.iter().flat_map(|&(f, v)| [f, v]))
+        .arg("--out")
+        .arg(report)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", loadtest.display()))
+}
+
+/// Stop the load (SIGINT: it finishes what is in flight): its point (the
+/// aggregate) and its run (`records`, `started_unix_ms`).
+pub fn stop_load(mut load: Child, report: &std::path::Path) -> (serde_json::Value, serde_json::Value) {
+    signal(load.id() as i32, libc::SIGINT);
+    let status = load.wait().unwrap();
+    assert!(status.success(), "pdmesh-loadtest exited with {status}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    (r["points"][0].clone(), r["runs"][0].clone())
+}
+
+impl Mesh {
+    /// Wait until the gateway has answered `n` more requests ok.
+    pub async fn flowing(&self, n: f64) {
+        let ok = "pdmesh_gateway_requests_total{outcome=\"ok\"}";
+        let start = self.gauge("gateway", ok).await;
+        let t0 = Instant::now();
+        while self.gauge("gateway", ok).await < start + n {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no load reached the gateway");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
