@@ -156,8 +156,13 @@ impl Service {
         };
         let opened =
             pdmesh_worker::at_broker(&self.broker, BROKER_PATIENCE, |b, left| open_ticket(b, &open, left)).await;
-        let ((), mut broker) =
-            opened.map_err(|e| Status::unavailable(format!("kvbroker refused the ticket: {}", e.message())))?;
+        let ((), mut broker) = opened.map_err(|e| match e.code() {
+            // The request's own fault (a bad id, a ticket already open) or a full table.
+            tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::ResourceExhausted => {
+                Status::new(e.code(), format!("kvbroker refused the ticket: {}", e.message()))
+            }
+            _ => Status::unavailable("the kvbroker could not be reached"),
+        })?;
         // The watch (and its span) lasts until the ticket ends.
         let await_kv = tracing::info_span!(parent: server, span::AWAIT_KV);
         let (watch, wspan) = {

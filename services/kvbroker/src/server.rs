@@ -157,6 +157,9 @@ impl pb::kv_broker_server::KvBroker for Broker {
     async fn watch_ticket(&self, req: Request<pb::WatchTicketRequest>) -> Result<Response<TicketStream>, Status> {
         // The span lasts until the ticket ends (or the watcher goes away).
         let span = tracing::Span::current();
+        // A caller's deadline ends the watch (tonic enforces it only until
+        // the response starts, not over a stream).
+        let deadline = pdmesh_core::grpc::request_timeout(&req).map(|t| tokio::time::Instant::now() + t);
         let id = req.into_inner().request_id;
         if id.is_empty() {
             return telemetry::finish(&span, Err(Error::Invalid("request_id is required".into()).into()));
@@ -177,8 +180,18 @@ impl pb::kv_broker_server::KvBroker for Broker {
                     if tx.send(Ok(t)).await.is_err() || end {
                         return;
                     }
-                    if rx.changed().await.is_err() {
-                        return;
+                    let expired = async {
+                        match deadline {
+                            Some(d) => tokio::time::sleep_until(d).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        changed = rx.changed() => if changed.is_err() { return },
+                        _ = expired => {
+                            let _ = tx.send(Err(Status::deadline_exceeded("the watch's deadline passed"))).await;
+                            return;
+                        }
                     }
                 }
             }
