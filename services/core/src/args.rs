@@ -21,6 +21,9 @@ pub struct CommonArgs {
     pub enable_fault_injection: bool,
     #[command(flatten)]
     pub telemetry: crate::telemetry::TelemetryArgs,
+    /// Mutual TLS between services.
+    #[command(flatten)]
+    pub tls: crate::tls::MeshTlsArgs,
 }
 
 impl CommonArgs {

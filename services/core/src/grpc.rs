@@ -52,9 +52,16 @@ pub fn reflection(
 /// A channel to `addr` (`host:port` or a URL) that connects on first use
 /// and reconnects after failures. Connect attempts give up after 2 s so a
 /// dead peer is an error, not a hang.
+/// Under mesh TLS (`crate::tls::mesh`) the channel speaks TLS, presents
+/// this process's certificate and checks the server's.
 pub fn lazy_channel(addr: &str) -> Result<Channel, String> {
-    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-    let ep = Endpoint::from_shared(url.clone()).map_err(|e| format!("bad address {url}: {e}"))?;
+    let tls = crate::tls::mesh();
+    let host = addr.split_once("://").map_or(addr, |(_, h)| h);
+    let url = format!("{}://{host}", if tls.is_some() { "https" } else { "http" });
+    let mut ep = Endpoint::from_shared(url.clone()).map_err(|e| format!("bad address {url}: {e}"))?;
+    if let Some(t) = tls {
+        ep = ep.tls_config(t.client()).map_err(|e| format!("TLS for {url}: {e}"))?;
+    }
     Ok(ep
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
@@ -167,7 +174,11 @@ pub async fn serve_routes(
         }
         s
     });
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(t) = crate::tls::mesh() {
+        server = server.tls_config(t.server())?;
+    }
+    server
         .initial_stream_window_size(Some(STREAM_WINDOW))
         .initial_connection_window_size(Some(CONN_WINDOW))
         .layer(crate::telemetry::ServerSpans)

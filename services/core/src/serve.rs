@@ -46,6 +46,10 @@ impl Admin {
     /// Start /health, /metrics and /statusz on `--http-listen`, if set.
     pub async fn start(common: &CommonArgs, state: AdminState) -> Result<Admin, ServeError> {
         crate::faults::enable(common.enable_fault_injection);
+        let me = format!("{}/{}", state.service(), common.instance_id(state.service()));
+        if common.tls.install(&me).map_err(ServeError::Setup)? {
+            eprintln!("pdmesh-{}: mutual TLS on gRPC as {me}", state.service());
+        }
         let id = crate::telemetry::Identity {
             service: state.service().to_string(),
             instance_id: common.instance_id(state.service()),

@@ -12,6 +12,9 @@ pub enum Error {
     Invalid(String),
     #[error("the broker knows {0} workers, its limit")]
     TooManyAgents(usize),
+    /// Under mesh TLS: the caller's identity may not do this.
+    #[error("{0}")]
+    Forbidden(String),
 }
 
 impl From<Error> for tonic::Status {
@@ -22,6 +25,7 @@ impl From<Error> for tonic::Status {
             Error::Ticket(TicketError::WrongState(..)) => tonic::Status::failed_precondition(msg),
             Error::Ticket(TicketError::Invalid(_)) | Error::Invalid(_) => tonic::Status::invalid_argument(msg),
             Error::Ticket(TicketError::Full(_)) | Error::TooManyAgents(_) => tonic::Status::resource_exhausted(msg),
+            Error::Forbidden(_) => tonic::Status::permission_denied(msg),
         }
     }
 }

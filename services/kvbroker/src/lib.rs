@@ -3,6 +3,7 @@
 //! fan-out of every state change to whoever watches a ticket, so an abort on
 //! either side frees blocks on both. Data never passes through it.
 
+pub mod caller;
 pub mod config;
 pub mod error;
 pub mod server;

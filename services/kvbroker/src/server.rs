@@ -12,6 +12,7 @@ use tracing::Instrument;
 
 use pdmesh_core::telemetry::{self, SpanExt};
 
+use crate::caller::{check, Caller, TICKET_PARTIES, WORKERS};
 use crate::error::Error;
 use crate::tickets::{is_terminal, Tickets};
 use pdmesh_core::vocab::attr;
@@ -28,6 +29,12 @@ pub struct Broker {
 impl Broker {
     fn table(&self) -> std::sync::MutexGuard<'_, Tickets> {
         self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Under mesh TLS, only the prefill that claimed ticket `id` may `what`.
+    fn claimant(&self, caller: &Option<Caller>, id: &str, what: &str) -> Result<(), Error> {
+        let Some(t) = self.table().get(id) else { return Ok(()) }; // the table answers NOT_FOUND
+        check(caller, |c| c.acts_as("prefill", &t.source_worker, &format!("{what} (ticket {id})")))
     }
 
     fn lease(&self, ms: u32) -> Result<u32, Error> {
@@ -60,7 +67,12 @@ impl pb::kv_broker_server::KvBroker for Broker {
         &self,
         req: Request<pb::RegisterAgentRequest>,
     ) -> Result<Response<pb::RegisterAgentResponse>, Status> {
+        let caller = Caller::of(&req);
         let agent = req.into_inner().agent.ok_or_else(|| Error::Invalid("agent is required".into()))?;
+        check(&caller, |c| {
+            c.is(WORKERS, "register an agent")?;
+            c.acts_as(&c.kind, &agent.worker_id, "register an agent")
+        })?;
         if agent.worker_id.is_empty() {
             return Err(Error::Invalid("agent.worker_id is required".into()).into());
         }
@@ -77,6 +89,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
 
     async fn get_agent(&self, req: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
         let span = tracing::Span::current();
+        check(&Caller::of(&req), |c| c.is(WORKERS, "look up agents"))?;
         let id = req.into_inner().worker_id;
         let agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
         let a = agents.get(&id).cloned().ok_or(Error::UnknownAgent(id)).map_err(Status::from);
@@ -85,7 +98,9 @@ impl pb::kv_broker_server::KvBroker for Broker {
 
     async fn open_ticket(&self, req: Request<pb::OpenTicketRequest>) -> Result<Response<Ticket>, Status> {
         let span = tracing::Span::current();
+        let caller = Caller::of(&req);
         let r = req.into_inner();
+        check(&caller, |c| c.acts_as("decode", &r.dest_worker, "open a ticket"))?;
         span.set_attribute(attr::TICKET_BLOCKS, r.dest_blocks.len() as i64);
         span.set_attribute(attr::TICKET_LEASE_MS, r.lease_ms as i64);
         let t = self.lease(r.lease_ms).and_then(|lease| {
@@ -97,7 +112,9 @@ impl pb::kv_broker_server::KvBroker for Broker {
     /// Waits (bounded by the caller's deadline) for the decode worker to open the ticket.
     async fn claim_ticket(&self, req: Request<pb::ClaimTicketRequest>) -> Result<Response<Ticket>, Status> {
         let span = tracing::Span::current();
+        let caller = Caller::of(&req);
         let r = req.into_inner();
+        check(&caller, |c| c.acts_as("prefill", &r.source_worker, "claim a ticket"))?;
         let sub = self.table().subscribe(&r.request_id, now_ms());
         let mut rx = match sub {
             Ok(rx) => rx,
@@ -116,14 +133,18 @@ impl pb::kv_broker_server::KvBroker for Broker {
 
     async fn begin_write(&self, req: Request<pb::BeginWriteRequest>) -> Result<Response<Ticket>, Status> {
         let span = tracing::Span::current();
+        let caller = Caller::of(&req);
         let r = req.into_inner();
+        self.claimant(&caller, &r.request_id, "begin its write")?;
         let t = self.table().begin_write(&r.request_id, now_ms());
         traced(span, t.map_err(Error::from))
     }
 
     async fn complete_ticket(&self, req: Request<pb::CompleteTicketRequest>) -> Result<Response<Ticket>, Status> {
         let span = tracing::Span::current();
+        let caller = Caller::of(&req);
         let r = req.into_inner();
+        self.claimant(&caller, &r.request_id, "complete it")?;
         span.set_attribute(attr::TICKET_KV_BYTES, r.bytes as i64);
         let outcome = match r.outcome {
             Some(pb::complete_ticket_request::Outcome::FirstToken(t)) => Ok(t),
@@ -136,6 +157,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
 
     async fn cancel_ticket(&self, req: Request<pb::CancelTicketRequest>) -> Result<Response<Ticket>, Status> {
         let span = tracing::Span::current();
+        check(&Caller::of(&req), |c| c.is(TICKET_PARTIES, "cancel tickets"))?;
         let r = req.into_inner();
         if r.request_id.is_empty() {
             return traced(span, Err(Error::Invalid("request_id is required".into())));
@@ -146,6 +168,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
 
     async fn renew_lease(&self, req: Request<pb::RenewLeaseRequest>) -> Result<Response<Ticket>, Status> {
         let span = tracing::Span::current();
+        check(&Caller::of(&req), |c| c.is(WORKERS, "renew leases"))?;
         let r = req.into_inner();
         let t = self.lease(r.lease_ms).and_then(|lease| Ok(self.table().renew(&r.request_id, lease, now_ms())?));
         traced(span, t)
@@ -160,6 +183,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
         // A caller's deadline ends the watch (tonic enforces it only until
         // the response starts, not over a stream).
         let deadline = pdmesh_core::grpc::request_timeout(&req).map(|t| tokio::time::Instant::now() + t);
+        check(&Caller::of(&req), |c| c.is(TICKET_PARTIES, "watch tickets"))?;
         let id = req.into_inner().request_id;
         if id.is_empty() {
             return telemetry::finish(&span, Err(Error::Invalid("request_id is required".into()).into()));

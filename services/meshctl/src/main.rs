@@ -17,6 +17,7 @@
 //! `pdmesh-model`; the benchmarks live in `pdmesh-bench`.
 
 mod control;
+mod devca;
 mod generate;
 mod inspect;
 mod process;
@@ -59,6 +60,13 @@ enum Cmd {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Clients of the mesh's gRPC take its TLS identity from the environment.
+    if matches!(cli.cmd, Cmd::Generate(_) | Cmd::Probe(_)) {
+        if let Err(e) = pdmesh_core::tls::MeshTlsArgs::install_client_from_env() {
+            eprintln!("meshctl: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     let r = match cli.cmd {
         Cmd::Up(a) => up::run(*a).await,
         Cmd::Status(a) => status::run(a).await,

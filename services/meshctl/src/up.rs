@@ -30,6 +30,16 @@ pub struct Args {
     /// registry's folder, or $TMPDIR/pdmesh/logs with Consul).
     #[arg(long)]
     pub log_dir: Option<PathBuf>,
+    /// Mutual TLS between the services: make a development CA and a
+    /// certificate per instance (identity `<kind>/<id>`), and start every
+    /// service with them. Clients of the mesh's gRPC (`meshctl generate`,
+    /// tests) use `client.pem` from the TLS folder. The gateway's OpenAI
+    /// port and the admin HTTP endpoints stay plain HTTP.
+    #[arg(long)]
+    pub tls: bool,
+    /// Folder for `--tls`'s CA and certificates (default: `tls` beside the log folder).
+    #[arg(long)]
+    pub tls_dir: Option<PathBuf>,
     /// Folder holding the service binaries (default: meshctl's own folder).
     #[arg(long)]
     pub bin_dir: Option<PathBuf>,
@@ -282,6 +292,8 @@ pub struct Ctx {
     /// the same queue the old one stops taking from (no refused or reset
     /// connections), and while none runs, clients wait in the queue.
     gateway_socket: std::net::TcpListener,
+    /// `--tls`: the development CA that signs each instance's certificate.
+    tls: Option<crate::devca::DevCa>,
 }
 
 impl Ctx {
@@ -293,6 +305,9 @@ impl Ctx {
         let http = free_addr()?;
         let mut args = common_args(a, &self.locator, &id, listen, &http);
         args.extend(service_args(a, kind, &self.model));
+        if let Some(ca) = &self.tls {
+            args.extend(ca.issue(&format!("{kind}/{id}"), &id)?.args());
+        }
         let cpus = match kind {
             "prefill" => self.prefill_cpus.clone(),
             "decode" => self.decode_cpus.clone(),
@@ -371,7 +386,20 @@ async fn context(mut a: Args) -> Result<Ctx, String> {
     let gateway_socket = std::net::TcpListener::bind(&a.gateway_addr)
         .map_err(|e| format!("cannot listen on --gateway-addr {}: {e}", a.gateway_addr))?;
     let model = model_path(&a).await?;
-    Ok(Ctx { a, locator, bin_dir, log_dir, model, prefill_cpus, decode_cpus, gateway_socket })
+    let tls = match a.tls {
+        true => {
+            let dir = a.tls_dir.clone().unwrap_or_else(|| log_dir.parent().unwrap_or(Path::new(".")).join("tls"));
+            let ca = crate::devca::DevCa::create(&dir)?;
+            eprintln!(
+                "meshctl: mutual TLS between services (development CA in {0}); gRPC clients: \
+                 PDMESH_TLS_CA={0}/ca.pem PDMESH_TLS_CERT={0}/client.pem PDMESH_TLS_KEY={0}/client.key",
+                dir.display()
+            );
+            Some(ca)
+        }
+        false => None,
+    };
+    Ok(Ctx { a, locator, bin_dir, log_dir, model, prefill_cpus, decode_cpus, gateway_socket, tls })
 }
 
 /// Stop the mesh: the gateway drains first (its requests finish while

@@ -18,8 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, BufMut};
-use common::Mesh;
+use common::{Mesh, Raw};
 use pdmesh_core::vocab::rpc;
 use pdmesh_proto::common::v1 as cpb;
 use pdmesh_proto::decode::v1 as dpb;
@@ -28,7 +27,6 @@ use pdmesh_proto::prefill::v1 as ppb;
 use pdmesh_proto::router::v1 as rpb;
 use pdmesh_proto::tokenizer::v1 as tpb;
 use prost::Message;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::codegen::http::uri::PathAndQuery;
 
 /// Calls per method.
@@ -39,41 +37,6 @@ const AT_ONCE: usize = 32;
 const DEADLINE: Duration = Duration::from_millis(500);
 /// A call with no end this long after its deadline hangs.
 const HANG: Duration = Duration::from_secs(5);
-
-/// Messages as raw bytes: what is sent is exactly what the fuzzer made.
-#[derive(Clone, Copy, Default)]
-struct Raw;
-
-impl Codec for Raw {
-    type Encode = Vec<u8>;
-    type Decode = Vec<u8>;
-    type Encoder = Raw;
-    type Decoder = Raw;
-    fn encoder(&mut self) -> Raw {
-        Raw
-    }
-    fn decoder(&mut self) -> Raw {
-        Raw
-    }
-}
-
-impl Encoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
-        let n = src.remaining();
-        Ok(Some(src.copy_to_bytes(n).to_vec()))
-    }
-}
 
 #[derive(Clone, Copy, PartialEq)]
 enum Shape {

@@ -521,3 +521,39 @@ impl Mesh {
         }
     }
 }
+
+/// A gRPC codec of raw bytes: what is sent is exactly what the caller made
+/// (fuzzing, or a call with no generated client).
+#[derive(Clone, Copy, Default)]
+pub struct Raw;
+
+impl tonic::codec::Codec for Raw {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = Raw;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl tonic::codec::Encoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let n = bytes::Buf::remaining(src);
+        Ok(Some(bytes::Buf::copy_to_bytes(src, n).to_vec()))
+    }
+}
