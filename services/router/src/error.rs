@@ -9,12 +9,14 @@
 pub use pdmesh_core::grpc::{is_transport, timed_out};
 use tonic::{Code, Status};
 
-/// The mesh's fault, as the caller sees it: which kind of worker, and what happened.
+/// The mesh's fault, as the caller sees it: which kind of worker, and what
+/// happened. The worker's own words (they name workers, transports and
+/// libraries) stay on the failed call's span.
 fn worker_fault(what: &str, lost: &str, e: &Status) -> Status {
     if is_transport(e) {
         Status::unavailable(format!("a {what} {lost}"))
     } else {
-        Status::unavailable(format!("a {what} failed: {}", e.message()))
+        Status::unavailable(format!("a {what} failed"))
     }
 }
 
@@ -34,7 +36,9 @@ pub fn decode_failure(e: Status) -> Status {
     match e.code() {
         _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed during its generation"),
         _ if is_transport(&e) => worker_fault("decode worker", "was lost mid-request", &e),
-        Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Cancelled => e,
+        Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded => e,
+        // The decode's CANCELLED is never the caller's leaving (the router
+        // sees that itself): its ticket was cancelled inside the mesh.
         _ => worker_fault("decode worker", "was lost mid-request", &e),
     }
 }
@@ -107,6 +111,10 @@ mod tests {
         for c in [Code::InvalidArgument, Code::DeadlineExceeded, Code::Cancelled] {
             assert!(!prefill_retryable(&Status::new(c, "x")), "{c:?}");
         }
+        let inner = decode_failure(Status::cancelled("KV transfer cancelled: prefill-0 drained"));
+        assert_eq!((inner.code(), inner.message()), (Code::Unavailable, "a decode worker failed"));
+        let nixl = prefill_failure(Status::unavailable("writing the KV to decode-0 over nixl failed: NIXL_ERR"));
+        assert_eq!(nixl.message(), "a prefill worker failed", "no worker ids or library text reach the caller");
     }
 
     #[test]
@@ -120,9 +128,9 @@ mod tests {
         assert!(decode_retryable(&m));
         assert_eq!(decode_refusal(e.clone()).message(), "a decode worker could not be reached");
         assert_eq!(prefill_failure(e).message(), "a prefill worker was lost mid-request");
-        // A worker's own message is kept: it is ours, and says what failed.
+        // A worker's own words stay on its span: the caller hears which kind failed.
         let own = decode_failure(Status::unavailable("KV transfer failed: broker gone"));
-        assert_eq!(own.message(), "a decode worker failed: KV transfer failed: broker gone");
+        assert_eq!(own.message(), "a decode worker failed");
         // A reset the dying peer sent is not the client's cancellation.
         let reset = broken(Code::Cancelled);
         assert!(is_transport(&reset));
