@@ -25,6 +25,15 @@ pub struct Config {
     /// RESOURCE_EXHAUSTED (a known one may always register again).
     #[arg(long, env = "PDMESH_KVBROKER_MAX_AGENTS", default_value_t = 4096)]
     pub max_agents: usize,
+    /// Most live tickets (open, claimed or writing) naming one decode
+    /// worker as their destination; past it, that worker's next open gets
+    /// RESOURCE_EXHAUSTED, so no one worker fills the table.
+    #[arg(long, env = "PDMESH_KVBROKER_MAX_TICKETS_PER_WORKER", default_value_t = 8192)]
+    pub max_tickets_per_worker: usize,
+    /// A worker's agent not registered again for this long is forgotten
+    /// (live workers register every 2 s), in seconds.
+    #[arg(long, env = "PDMESH_KVBROKER_AGENT_TTL_S", default_value_t = 30)]
+    pub agent_ttl_s: u64,
     #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
 }

@@ -24,7 +24,9 @@ impl From<Error> for tonic::Status {
             Error::Ticket(TicketError::NotFound(_)) | Error::UnknownAgent(_) => tonic::Status::not_found(msg),
             Error::Ticket(TicketError::WrongState(..)) => tonic::Status::failed_precondition(msg),
             Error::Ticket(TicketError::Invalid(_)) | Error::Invalid(_) => tonic::Status::invalid_argument(msg),
-            Error::Ticket(TicketError::Full(_)) | Error::TooManyAgents(_) => tonic::Status::resource_exhausted(msg),
+            Error::Ticket(TicketError::Full(_) | TicketError::FullFor(..)) | Error::TooManyAgents(_) => {
+                tonic::Status::resource_exhausted(msg)
+            }
             Error::Forbidden(_) => tonic::Status::permission_denied(msg),
         }
     }

@@ -57,7 +57,9 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let tickets = Arc::new(Mutex::new(Tickets::new(Duration::from_secs(config.retention_s), config.max_tickets)));
+    let table = Tickets::new(Duration::from_secs(config.retention_s), config.max_tickets)
+        .with_max_per_worker(config.max_tickets_per_worker);
+    let tickets = Arc::new(Mutex::new(table));
     let expired_total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (t2, e2) = (tickets.clone(), expired_total.clone());
     let admin = AdminState::new(
@@ -90,6 +92,7 @@ pub async fn serve(
         agents: Mutex::new(Default::default()),
         max_lease_ms: config.max_lease_ms,
         max_agents: config.max_agents.max(1),
+        agent_ttl_ms: config.agent_ttl_s.saturating_mul(1000),
     };
     let routes = tonic::service::Routes::new(pb::kv_broker_server::KvBrokerServer::new(broker));
     let grpc = Grpc { service: "kvbroker", name: "pdmesh.kvbroker.v1.KvBroker", routes };

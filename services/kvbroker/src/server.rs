@@ -21,9 +21,12 @@ pub use pdmesh_core::now_ms;
 
 pub struct Broker {
     pub tickets: Arc<Mutex<Tickets>>,
-    pub agents: Mutex<HashMap<String, pb::Agent>>,
+    /// Each worker's agent and when it last registered (ms since the epoch).
+    pub agents: Mutex<HashMap<String, (pb::Agent, u64)>>,
     pub max_lease_ms: u32,
     pub max_agents: usize,
+    /// An agent not registered again for this long is forgotten.
+    pub agent_ttl_ms: u64,
 }
 
 impl Broker {
@@ -79,11 +82,15 @@ impl pb::kv_broker_server::KvBroker for Broker {
         if agent.worker_id.len() > crate::tickets::MAX_ID_BYTES {
             return Err(Error::Invalid("agent.worker_id is too long".into()).into());
         }
+        let now = now_ms();
         let mut agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
         if !agents.contains_key(&agent.worker_id) && agents.len() >= self.max_agents {
-            return Err(Error::TooManyAgents(agents.len()).into());
+            agents.retain(|_, (_, seen)| *seen + self.agent_ttl_ms > now);
+            if agents.len() >= self.max_agents {
+                return Err(Error::TooManyAgents(agents.len()).into());
+            }
         }
-        agents.insert(agent.worker_id.clone(), agent);
+        agents.insert(agent.worker_id.clone(), (agent, now));
         Ok(Response::new(pb::RegisterAgentResponse {}))
     }
 
@@ -92,7 +99,9 @@ impl pb::kv_broker_server::KvBroker for Broker {
         check(&Caller::of(&req), |c| c.is(WORKERS, "look up agents"))?;
         let id = req.into_inner().worker_id;
         let agents = self.agents.lock().unwrap_or_else(|e| e.into_inner());
-        let a = agents.get(&id).cloned().ok_or(Error::UnknownAgent(id)).map_err(Status::from);
+        // A worker that stopped registering (dead, or gone) is unknown.
+        let live = agents.get(&id).filter(|(_, seen)| seen + self.agent_ttl_ms > now_ms());
+        let a = live.map(|(a, _)| a.clone()).ok_or(Error::UnknownAgent(id)).map_err(Status::from);
         telemetry::finish(&span, a).map(Response::new)
     }
 

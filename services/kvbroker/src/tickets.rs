@@ -34,6 +34,8 @@ pub enum TicketError {
     Invalid(String),
     #[error("the broker holds {0} tickets, its limit; retry shortly")]
     Full(usize),
+    #[error("{0} has {1} live tickets, the limit per worker; retry shortly")]
+    FullFor(String, usize),
 }
 
 /// Longest ticket id accepted, in bytes (the router's are far shorter).
@@ -55,6 +57,9 @@ pub struct Tickets {
     /// Most tickets held (live, expected and remembered together); a new id
     /// past it is refused, never an existing ticket's change.
     max: usize,
+    /// Live (opened, not ended) tickets by destination worker, and their cap.
+    live_for: HashMap<String, usize>,
+    max_per_worker: usize,
 }
 
 pub fn is_terminal(s: TicketState) -> bool {
@@ -67,7 +72,19 @@ fn state(t: &Ticket) -> TicketState {
 
 impl Tickets {
     pub fn new(retention: Duration, max: usize) -> Tickets {
-        Tickets { map: HashMap::new(), retention, max: max.max(1) }
+        Tickets {
+            map: HashMap::new(),
+            retention,
+            max: max.max(1),
+            live_for: HashMap::new(),
+            max_per_worker: usize::MAX,
+        }
+    }
+
+    /// Cap the live tickets naming one destination worker.
+    pub fn with_max_per_worker(mut self, n: usize) -> Tickets {
+        self.max_per_worker = n.max(1);
+        self
     }
 
     /// The entry of `id`, made (as an expected ticket) if new and there is room.
@@ -94,6 +111,13 @@ impl Tickets {
         let t = e.tx.borrow().clone();
         if is_terminal(state(&t)) && e.forget_at_ms.is_none() {
             e.forget_at_ms = Some(now_ms + retention);
+            // An opened ticket ends once: its destination has one live less.
+            if let Some(n) = self.live_for.get_mut(&t.dest_worker) {
+                *n -= 1;
+                if *n == 0 {
+                    self.live_for.remove(&t.dest_worker);
+                }
+            }
         }
         t
     }
@@ -125,6 +149,11 @@ impl Tickets {
         if cur != TicketState::Unspecified {
             return Err(TicketError::WrongState(id.into(), cur));
         }
+        let live = self.live_for.get(dest_worker).copied().unwrap_or(0);
+        if live >= self.max_per_worker {
+            return Err(TicketError::FullFor(dest_worker.into(), live));
+        }
+        *self.live_for.entry(dest_worker.into()).or_insert(0) += 1;
         Ok(self.update(id, now_ms, |t| {
             t.state = TicketState::Open as i32;
             t.dest_worker = dest_worker.into();
@@ -254,6 +283,20 @@ impl Tickets {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_worker_cannot_fill_the_table() {
+        let mut t = Tickets::new(Duration::from_secs(60), 1000).with_max_per_worker(2);
+        t.open("a", "decode-0", vec![1], 1, 1000, 0).unwrap();
+        t.open("b", "decode-0", vec![2], 1, 1000, 0).unwrap();
+        let e = t.open("c", "decode-0", vec![3], 1, 1000, 0).unwrap_err();
+        assert_eq!(e, TicketError::FullFor("decode-0".into(), 2));
+        t.open("d", "decode-1", vec![1], 1, 1000, 0).expect("another worker has its own room");
+        t.cancel("a", "done with it", 1).unwrap();
+        t.open("c", "decode-0", vec![3], 1, 1000, 2).expect("an ended ticket frees its worker's room");
+        t.tick(5000); // b, c and d expire
+        assert!(t.live_for.is_empty(), "{:?}", t.live_for);
+    }
 
     fn table() -> Tickets {
         Tickets::new(Duration::from_secs(60), 1000)

@@ -19,6 +19,8 @@ fn config(
         max_lease_ms: 10_000,
         max_tickets: 64,
         max_agents: 3,
+        max_tickets_per_worker: 48,
+        agent_ttl_s: 30,
         common,
     }
 }
