@@ -525,7 +525,8 @@ impl Loop {
                 // A step failure is a bug, not bad input: end every running
                 // request with it rather than retrying forever.
                 let st = pdmesh_worker::status(&e);
-                let why = || Status::internal(format!("decode step failed: {}", st.message()));
+                let why =
+                    || Status::from(crate::error::Error::Internal(format!("decode step failed: {}", st.message())));
                 let ended: Vec<(SeqId, Events)> = (self.running.drain(..).map(|s| (s.id, s.events.clone())))
                     .chain(self.prefilling.drain(..).map(|p| (p.id, p.events)))
                     .collect();

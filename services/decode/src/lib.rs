@@ -6,6 +6,7 @@
 
 pub mod batcher;
 pub mod config;
+pub mod error;
 pub mod server;
 
 use std::future::Future;

@@ -20,6 +20,7 @@ use tracing::Instrument;
 use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::batcher::{Batcher, Events};
+use crate::error::{broker_refusal, Error};
 use pdmesh_core::vocab::{attr, rpc, span};
 
 pub struct Service {
@@ -76,16 +77,6 @@ fn ticket_state(t: &kpb::Ticket) -> kpb::TicketState {
     kpb::TicketState::try_from(t.state).unwrap_or(kpb::TicketState::Unspecified)
 }
 
-/// The status a request ends with when its ticket ends without the KV.
-fn ticket_failure(t: &kpb::Ticket) -> Status {
-    let why = if t.reason.is_empty() { String::new() } else { format!(": {}", t.reason) };
-    match ticket_state(t) {
-        kpb::TicketState::Cancelled => Status::cancelled(format!("KV transfer cancelled{why}")),
-        kpb::TicketState::Expired => Status::deadline_exceeded(format!("KV transfer lease expired{why}")),
-        _ => Status::unavailable(format!("KV transfer failed{why}")),
-    }
-}
-
 impl Service {
     fn count(&self, s: &Status) {
         self.batcher.stats.outcomes.inc(Outcome::of_code(s.code()));
@@ -96,7 +87,7 @@ impl Service {
     /// `server` is the request's span; it ends with the token stream.
     async fn admit(&self, r: pb::GenerateRequest, server: tracing::Span) -> Result<EventStream, Status> {
         if r.request_id.is_empty() {
-            return Err(Status::invalid_argument("request_id is required"));
+            return Err(Error::BadRequest("request_id is required".into()).into());
         }
         let st = &self.batcher.stats;
         let admit = tracing::info_span!(
@@ -133,7 +124,7 @@ impl Service {
             if p.contains_key(&r.request_id) {
                 drop(p);
                 self.batcher.release(seq);
-                return Err(Status::already_exists(format!("request {} is already admitted here", r.request_id)));
+                return Err(Error::AlreadyAdmitted(r.request_id).into());
             }
             p.insert(r.request_id.clone(), (seq, n_prompt));
         }
@@ -156,13 +147,7 @@ impl Service {
         };
         let opened =
             pdmesh_worker::at_broker(&self.broker, BROKER_PATIENCE, |b, left| open_ticket(b, &open, left)).await;
-        let ((), mut broker) = opened.map_err(|e| match e.code() {
-            // The request's own fault (a bad id, a ticket already open) or a full table.
-            tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::ResourceExhausted => {
-                Status::new(e.code(), format!("kvbroker refused the ticket: {}", e.message()))
-            }
-            _ => Status::unavailable("the kvbroker could not be reached"),
-        })?;
+        let ((), mut broker) = opened.map_err(|e| Status::from(broker_refusal(&e)))?;
         // The watch (and its span) lasts until the ticket ends.
         let await_kv = tracing::info_span!(parent: server, span::AWAIT_KV);
         let (watch, wspan) = {
@@ -178,7 +163,7 @@ impl Service {
             Err(e) => {
                 telemetry::record_status(wspan.span(), Some(&e));
                 cancel(broker.clone(), &r.request_id, "decode could not watch the ticket");
-                return Err(Status::unavailable(format!("kvbroker: {}", e.message())));
+                return Err(Error::BrokerUnreachable.into());
             }
         };
         let (tx, rx): (Events, _) = tokio::sync::mpsc::unbounded_channel();
@@ -225,17 +210,17 @@ struct Waiting {
 
 impl Waiting {
     async fn run(mut self) {
-        let end = loop {
+        let end: Status = loop {
             tokio::select! {
                 _ = self.tx.closed() => {
                     cancel(self.broker.clone(), &self.request_id, "client went away before the first token");
-                    break Status::cancelled("client went away");
+                    break Error::ClientGone.into();
                 }
                 m = self.watch.message() => match m {
                     Ok(Some(t)) => match ticket_state(&t) {
                         kpb::TicketState::Done => {
                             let Some(first) = t.first_token else {
-                                break Status::internal("ticket done without a first token");
+                                break Error::Internal("ticket done without a first token".into()).into();
                             };
                             self.res.started = true;
                             drop(self.spans);
@@ -243,7 +228,7 @@ impl Waiting {
                             return;
                         }
                         kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired => {
-                            break ticket_failure(&t)
+                            break Error::TicketEnded(t).into()
                         }
                         kpb::TicketState::Claimed | kpb::TicketState::Writing => {
                             self.res.claimed = true;
@@ -264,7 +249,7 @@ impl Waiting {
                         // A prefill may have claimed meanwhile.
                         self.res.claimed = true;
                         cancel(self.broker.clone(), &self.request_id, "decode lost the kvbroker watch");
-                        break Status::unavailable("kvbroker connection lost while waiting for the KV");
+                        break Error::BrokerLost.into();
                     }
                 }
             }
@@ -372,28 +357,27 @@ impl pb::decode_server::Decode for Service {
 
 impl Service {
     async fn write_kv_inner(&self, mut s: Streaming<pb::KvChunk>) -> Result<pb::WriteKvResponse, Status> {
-        let first = s.message().await?.ok_or_else(|| Status::invalid_argument("empty KV stream"))?;
-        let layout = pdmesh_worker::layout_from_wire(
-            first.layout.as_ref().ok_or_else(|| Status::invalid_argument("first chunk needs the layout"))?,
-        )?;
+        let bad = |m: &str| Status::from(Error::BadRequest(m.into()));
+        let first = s.message().await?.ok_or_else(|| bad("empty KV stream"))?;
+        let layout =
+            pdmesh_worker::layout_from_wire(first.layout.as_ref().ok_or_else(|| bad("first chunk needs the layout"))?)?;
         if layout != self.layout {
-            return Err(Status::failed_precondition(format!(
-                "KV layout {layout:?} does not match this worker's {:?}",
-                self.layout
-            )));
+            let why = format!("KV layout {layout:?} does not match this worker's {:?}", self.layout);
+            return Err(Error::LayoutMismatch(why).into());
         }
         let (seq, n_prompt) = *self
             .pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&first.request_id)
-            .ok_or_else(|| Status::not_found(format!("no reservation for request {} here", first.request_id)))?;
+            .ok_or_else(|| Error::NoReservation(first.request_id.clone()))?;
         // Checked before anything is allocated: the sender does not size our buffers.
         if first.n_tokens != n_prompt {
-            return Err(Status::invalid_argument(format!(
+            let why = format!(
                 "the KV carries {} positions; request {} reserved {n_prompt}",
                 first.n_tokens, first.request_id
-            )));
+            );
+            return Err(bad(&why));
         }
         let n_tokens = first.n_tokens as usize;
         let expected = layout.blocks_for(n_tokens) * layout.block_bytes();
@@ -401,9 +385,7 @@ impl Service {
         bytes.extend_from_slice(&first.data);
         while let Some(c) = s.message().await? {
             if bytes.len() + c.data.len() > expected {
-                return Err(Status::invalid_argument(format!(
-                    "more than the {expected} bytes {n_tokens} positions take"
-                )));
+                return Err(bad(&format!("more than the {expected} bytes {n_tokens} positions take")));
             }
             bytes.extend_from_slice(&c.data);
         }

@@ -5,6 +5,7 @@
 
 pub mod batcher;
 pub mod config;
+pub mod error;
 pub mod server;
 
 use std::future::Future;

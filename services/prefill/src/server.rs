@@ -16,6 +16,7 @@ use tracing::Instrument;
 use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::batcher::Batcher;
+use crate::error::{claim_failure, ended, Error};
 use pdmesh_core::vocab::{attr, rpc, span};
 use pdmesh_worker::kv::send::KvTransport;
 
@@ -50,10 +51,7 @@ impl Service {
                     tokio::time::sleep(pdmesh_worker::BROKER_RETRY).await
                 }
                 Err(e) => {
-                    return Err(Status::unavailable(format!(
-                        "decode worker {worker} is unknown to the kvbroker: {}",
-                        e.message()
-                    )))
+                    return Err(Error::UnknownDestination { worker: worker.into(), why: e.message().into() }.into())
                 }
             }
         }
@@ -76,12 +74,12 @@ impl Service {
         if tries > 1 {
             tracing::Span::current().set_attribute(attr::TICKET_RECLAIMED, i64::from(tries - 1));
         }
-        claimed.map_err(claim_failure)
+        claimed.map_err(|e| claim_failure(e).into())
     }
 
     async fn run(&self, r: pb::PrefillRequest, deadline: Option<Instant>) -> Result<pb::PrefillResponse, Status> {
         if r.request_id.is_empty() {
-            return Err(Status::invalid_argument("request_id is required"));
+            return Err(Error::BadRequest("request_id is required").into());
         }
         let params = pdmesh_worker::sampling(r.sampling.as_ref(), 1, &[], true);
         // While the prompt waits and runs, keep the decode's reservation
@@ -103,7 +101,7 @@ impl Service {
         if ticket.n_tokens as usize != pinned.p.n_tokens {
             let why = format!("decode reserved {} positions, prefill has {}", ticket.n_tokens, pinned.p.n_tokens);
             let _ = broker.complete_ticket(fail(&r.request_id, &why)).await;
-            return Err(Status::failed_precondition(why));
+            return Err(Error::Mismatch(why).into());
         }
         // `kv_transfer`: finding the destination, the write itself, completing the ticket.
         let xfer = tracing::info_span!(
@@ -135,9 +133,11 @@ impl Service {
     ) -> Result<pb::PrefillResponse, Status> {
         let span = tracing::Span::current();
         let agent = self.agent(broker, &ticket.dest_worker).await?;
-        let transport = self.transports.iter().find(|t| t.reaches(&agent)).ok_or_else(|| {
-            Status::failed_precondition(format!("no transport reaches decode worker {}", ticket.dest_worker))
-        })?;
+        let transport = self
+            .transports
+            .iter()
+            .find(|t| t.reaches(&agent))
+            .ok_or_else(|| Error::NoTransport(ticket.dest_worker.clone()))?;
         span.record(attr::KV_TRANSPORT, transport.name());
         let stall = pdmesh_core::faults::get("prefill.transfer_delay_ms");
         if stall > 0 {
@@ -145,18 +145,14 @@ impl Service {
         }
         if stall > 0 {
             // While stalled, follow the ticket: if it ends, give up at once.
-            let mut watch =
-                broker.watch_ticket(kpb::WatchTicketRequest { request_id: request_id.to_string() }).await?.into_inner();
+            let watch = broker.watch_ticket(kpb::WatchTicketRequest { request_id: request_id.to_string() }).await;
+            let mut watch = watch.map_err(|_| Error::BrokerUnreachable)?.into_inner();
             let ended = async {
                 while let Ok(Some(t)) = watch.message().await {
                     let s = kpb::TicketState::try_from(t.state).unwrap_or(kpb::TicketState::Unspecified);
                     let why = format!("transfer ticket {} while the write was pending: {}", s.as_str_name(), t.reason);
-                    match s {
-                        // The same status the decode reports for this ticket.
-                        kpb::TicketState::Expired => return Status::deadline_exceeded(why),
-                        kpb::TicketState::Cancelled => return Status::cancelled(why),
-                        kpb::TicketState::Failed => return Status::failed_precondition(why),
-                        _ => {}
+                    if matches!(s, kpb::TicketState::Expired | kpb::TicketState::Cancelled | kpb::TicketState::Failed) {
+                        return Status::from(Error::TicketEnded(s, why));
                     }
                 }
                 std::future::pending::<Status>().await
@@ -175,16 +171,14 @@ impl Service {
                 ticket.lease_deadline_unix_ms.saturating_sub(now)
             );
             let _ = broker.complete_ticket(fail(request_id, &why)).await;
-            return Err(Status::deadline_exceeded(why));
+            return Err(Error::LeaseEnding(why).into());
         }
         let (begin, bspan) = telemetry::client_request(
             rpc::KVBROKER_BEGIN_WRITE,
             kpb::BeginWriteRequest { request_id: request_id.to_string() },
         );
         let begun = broker.begin_write(begin).instrument(bspan.clone()).await;
-        telemetry::finish(&bspan, begun).map_err(|e| {
-            Status::failed_precondition(format!("transfer ticket ended before the write began: {}", e.message()))
-        })?;
+        telemetry::finish(&bspan, begun).map_err(|e| ended("transfer ticket ended before the write began", &e))?;
         let t0 = Instant::now();
         let moved = transport.write(&agent, &ticket, &pinned).await;
         drop(pinned); // the KV is in the decode's blocks (or failed): free ours
@@ -206,9 +200,7 @@ impl Service {
                 };
                 let (done, cspan) = telemetry::client_request(rpc::KVBROKER_COMPLETE_TICKET, done);
                 let completed = broker.complete_ticket(done).instrument(cspan.clone()).await;
-                telemetry::finish(&cspan, completed).map_err(|e| {
-                    Status::failed_precondition(format!("ticket could not be completed: {}", e.message()))
-                })?;
+                telemetry::finish(&cspan, completed).map_err(|e| ended("ticket could not be completed", &e))?;
                 Ok(pb::PrefillResponse {
                     first_token: first,
                     kv_bytes: bytes,
@@ -219,7 +211,7 @@ impl Service {
             Err(e) => {
                 let why = format!("writing the KV to {} over {name} failed: {}", ticket.dest_worker, e.message());
                 let _ = broker.complete_ticket(fail(request_id, &why)).await;
-                Err(Status::unavailable(why))
+                Err(Error::WriteFailed(why).into())
             }
         }
     }
@@ -234,19 +226,6 @@ impl Service {
         req.set_timeout(Duration::from_secs(1));
         let r = b.renew_lease(req).instrument(span.clone()).await;
         let _ = telemetry::finish(&span, r);
-    }
-}
-
-/// The status of a claim that failed for good.
-fn claim_failure(e: Status) -> Status {
-    match e.code() {
-        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
-            Status::deadline_exceeded("no decode worker opened the transfer ticket in time")
-        }
-        tonic::Code::FailedPrecondition => {
-            Status::failed_precondition(format!("transfer ticket ended before the KV was written: {}", e.message()))
-        }
-        _ => Status::unavailable("the kvbroker could not be reached"),
     }
 }
 
