@@ -177,6 +177,7 @@ impl Service {
             peers: self.broker.clone(),
             open,
             reopened: 0,
+            seen_claim: false,
             request_id: r.request_id,
             res,
             batcher: self.batcher.clone(),
@@ -200,6 +201,8 @@ struct Waiting {
     peers: Peers,
     open: kpb::OpenTicketRequest,
     reopened: u32,
+    /// The watch said a prefill claimed the ticket (a write may have begun).
+    seen_claim: bool,
     request_id: String,
     res: Reservation,
     batcher: Batcher,
@@ -232,6 +235,7 @@ impl Waiting {
                         }
                         kpb::TicketState::Claimed | kpb::TicketState::Writing => {
                             self.res.claimed = true;
+                            self.seen_claim = true;
                             continue;
                         }
                         _ => continue,
@@ -240,9 +244,14 @@ impl Waiting {
                         // The broker is gone. If no prefill had claimed the
                         // ticket, no write can have begun: open it again at
                         // the (restarted) broker and keep waiting.
-                        if !self.res.claimed {
+                        if !self.seen_claim {
                             if let Some(w) = self.reopen().await {
                                 self.watch = w;
+                                // A claim the lost broker made but never told
+                                // us of may still write into the blocks: if
+                                // the request ends now, they wait out the
+                                // quarantine before reuse.
+                                self.res.claimed = true;
                                 continue;
                             }
                         }
