@@ -27,6 +27,8 @@ pub fn prefill_failure(e: Status) -> Status {
         _ if is_transport(&e) => worker_fault("prefill worker", "was lost mid-request", &e),
         Code::InvalidArgument => e,
         Code::DeadlineExceeded => Status::deadline_exceeded(format!("prefill: {}", e.message())),
+        // Every prefill worker tried was full: its own words say how full.
+        Code::ResourceExhausted => Status::unavailable(format!("no prefill worker has room: {}", e.message())),
         _ => worker_fault("prefill worker", "was lost mid-request", &e),
     }
 }
@@ -113,6 +115,10 @@ mod tests {
         }
         let inner = decode_failure(Status::cancelled("KV transfer cancelled: prefill-0 drained"));
         assert_eq!((inner.code(), inner.message()), (Code::Unavailable, "a decode worker failed"));
+        let full =
+            prefill_failure(Status::resource_exhausted("1024 prompts already wait for a prefill step, the limit"));
+        assert_eq!(full.code(), Code::Unavailable);
+        assert!(full.message().contains("wait for a prefill step"), "{full:?}");
         let nixl = prefill_failure(Status::unavailable("writing the KV to decode-0 over nixl failed: NIXL_ERR"));
         assert_eq!(nixl.message(), "a prefill worker failed", "no worker ids or library text reach the caller");
     }
