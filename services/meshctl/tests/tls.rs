@@ -69,6 +69,17 @@ fn denied<T>(r: Result<tonic::Response<T>, tonic::Status>, what: &str) {
     eprintln!("{what}: {}", e.message());
 }
 
+/// A one-block ticket for `dest`.
+fn one_block(id: &str, dest: &str) -> kpb::OpenTicketRequest {
+    kpb::OpenTicketRequest {
+        request_id: id.into(),
+        dest_worker: dest.into(),
+        dest_blocks: vec![1],
+        n_tokens: 1,
+        lease_ms: 1000,
+    }
+}
+
 async fn broker(addr: &str, dir: &Path, who: &str) -> kpb::kv_broker_client::KvBrokerClient<Channel> {
     kpb::kv_broker_client::KvBrokerClient::new(channel(addr, Some(tls(dir, Some(who)))).await.unwrap())
 }
@@ -112,25 +123,14 @@ async fn under_tls_the_mesh_serves_and_every_service_refuses_strangers() {
     let fake = kpb::Agent { worker_id: "decode-0".into(), address: "127.0.0.1:1".into(), ..Default::default() };
     let r = as_prefill.register_agent(kpb::RegisterAgentRequest { agent: Some(fake) }).await;
     denied(r, "a prefill registering the decode's agent");
-    let open = kpb::OpenTicketRequest {
-        request_id: "tls-t1".into(),
-        dest_worker: "prefill-0".into(),
-        dest_blocks: vec![1],
-        n_tokens: 1,
-        lease_ms: 1000,
-    };
-    denied(as_prefill.open_ticket(open).await, "a prefill opening a ticket");
+    denied(as_prefill.open_ticket(one_block("tls-t1", "prefill-0")).await, "a prefill opening a ticket");
     let mut as_decode = broker(&b, &dir, "decode-0").await;
     let claim = kpb::ClaimTicketRequest { request_id: "tls-t1".into(), source_worker: "decode-0".into() };
     denied(as_decode.claim_ticket(claim).await, "a decode claiming a ticket");
-    let open = kpb::OpenTicketRequest {
-        request_id: "tls-t2".into(),
-        dest_worker: "decode-1".into(),
-        dest_blocks: vec![1],
-        n_tokens: 1,
-        lease_ms: 1000,
-    };
-    denied(as_decode.open_ticket(open).await, "a decode opening a ticket for another decode");
+    denied(
+        as_decode.open_ticket(one_block("tls-t2", "decode-1")).await,
+        "a decode opening a ticket for another decode",
+    );
     let mut as_client = broker(&b, &dir, "client").await;
     let cancel = kpb::CancelTicketRequest { request_id: "tls-t1".into(), reason: "x".into() };
     denied(as_client.cancel_ticket(cancel).await, "a client cancelling a ticket");
