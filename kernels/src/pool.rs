@@ -37,6 +37,8 @@ struct Shared {
     shutdown: AtomicBool,
     sleep_lock: Mutex<()>,
     wake: Condvar,
+    /// Each worker's kernel thread id, once it has started (Linux only).
+    os_ids: Mutex<Vec<u32>>,
 }
 
 /// Fork-join pool: `run(n, f)` calls `f(0..n)` on the caller and the workers.
@@ -64,13 +66,19 @@ impl Pool {
             shutdown: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
+            os_ids: Mutex::new(Vec::new()),
         });
         let workers = (1..threads)
             .map(|i| {
                 let shared = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("pdmesh-kernel-{i}"))
-                    .spawn(move || worker_loop(&shared))
+                    .spawn(move || {
+                        if let Some(id) = os_thread_id() {
+                            shared.os_ids.lock().unwrap_or_else(|e| e.into_inner()).push(id);
+                        }
+                        worker_loop(&shared)
+                    })
                     .expect("spawning a kernel worker thread")
             })
             .collect();
@@ -80,6 +88,12 @@ impl Pool {
     /// Number of threads a loop runs on (caller included).
     pub fn threads(&self) -> usize {
         self.workers.len() + 1
+    }
+
+    /// The kernel's ids of the worker threads that have started (not the
+    /// caller's), for reading their scheduler statistics; empty off Linux.
+    pub fn os_thread_ids(&self) -> Vec<u32> {
+        self.shared.os_ids.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Calls `f(i)` for every `i in 0..n_tasks`, spread over the pool's
@@ -122,6 +136,13 @@ impl Pool {
             panic!("a kernel task panicked on a worker thread");
         }
     }
+}
+
+/// The calling thread's id as the kernel knows it (`/proc/thread-self`
+/// names `<pid>/task/<tid>`), or None where there is no procfs.
+pub fn os_thread_id() -> Option<u32> {
+    let link = std::fs::read_link("/proc/thread-self").ok()?;
+    link.file_name()?.to_str()?.parse().ok()
 }
 
 fn drain(s: &Shared, job: Job<'_>) {

@@ -167,6 +167,13 @@ impl Text {
         self
     }
 
+    /// A counter of a real quantity (seconds, bytes); `name` ends in `_total`.
+    pub fn counter_f64(&mut self, name: &str, help: &str, value: f64) -> &mut Self {
+        self.head(name, "counter", help);
+        let _ = writeln!(self.out, "{name} {value}");
+        self
+    }
+
     /// A family with labels: `(label values, sample)` pairs, the values in
     /// the order of `labels`.
     pub fn family(&mut self, name: &str, kind: &str, help: &str, labels: &[&str], samples: &[(Vec<&str>, f64)]) {

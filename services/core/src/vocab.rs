@@ -199,12 +199,51 @@ pub mod attr {
     /// kvbroker after the one it waited on went away.
     pub const TICKET_RECLAIMED: &str = "pdmesh.ticket.reclaimed";
 
+    // What steps cost against the worker's own normal (`pdmesh_worker::steps`).
+    // On a step span: that step; on `decode_loop` and `prefill_forward`:
+    // the totals over the steps that served the request.
+    /// CPU time of the step's threads (the loop thread and the compute pool).
+    pub const STEP_CPU_MS: &str = "step.cpu_ms";
+    /// Time the step's threads were runnable but waiting for a CPU.
+    pub const STEP_RUNQ_MS: &str = "step.runq_ms";
+    /// What a step of this shape (batch, tokens) normally takes on this worker.
+    pub const STEP_NORMAL_MS: &str = "step.normal_ms";
+    /// Wall time over normal time.
+    pub const STEP_SLOWDOWN: &str = "step.slowdown";
+    /// Threads whose scheduler statistics were read.
+    pub const STEP_THREADS: &str = "step.threads";
+    pub const STEPS_WALL_MS: &str = "steps.wall_ms";
+    pub const STEPS_CPU_MS: &str = "steps.cpu_ms";
+    pub const STEPS_RUNQ_MS: &str = "steps.runq_ms";
+    /// Wall time of the steps that had a normal to compare with.
+    pub const STEPS_JUDGED_MS: &str = "steps.judged_ms";
+    /// The sum of those steps' normals.
+    pub const STEPS_NORMAL_MS: &str = "steps.normal_ms";
+    /// Steps that took at least `SLOW_FACTOR` times their normal.
+    pub const STEPS_SLOW: &str = "steps.slow";
+    /// Steps whose threads waited for a CPU for a large part of their time.
+    pub const STEPS_STARVED: &str = "steps.starved";
+    /// The worker's usual batch size (a running mean over its recent steps).
+    pub const STEPS_BATCH_USUAL: &str = "steps.batch_usual";
+    /// Decode steps that also fed local prefill tokens.
+    pub const STEPS_WITH_PREFILL: &str = "steps.with_prefill";
+
     // Tokenizer.
     pub const TOKENS: &str = "tokens";
     pub const OUTCOME: &str = "outcome";
 
     // Kernel-launch spans are named and keyed in the engine
     // (`pdmesh_engine::model::kernel_attr`), which does not link this crate.
+}
+
+/// What counts as an abnormal step: shared by the workers, which count
+/// slow and starved steps, and `meshctl explain`, which names them.
+pub mod steps {
+    /// A step that took at least this many times its shape's normal is slow.
+    pub const SLOW_FACTOR: f64 = 2.0;
+    /// Steps whose threads waited for a CPU at least this share of their
+    /// runnable time (on a CPU or waiting for one) were starved.
+    pub const STARVED_SHARE: f64 = 0.2;
 }
 
 /// The attribute key `<kind>.<key>` of a worker pick on the `route` span

@@ -14,15 +14,17 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
+use pdmesh_core::telemetry::SpanExt;
 use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as pb;
 use pdmesh_worker::prefix::SharedPrefix;
+use pdmesh_worker::steps::{self, Meter};
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 use tonic::Status;
@@ -84,6 +86,8 @@ pub struct Stats {
     pub tickets_reopened: AtomicU64,
     pub prefix: SharedPrefix,
     pub block_bytes: usize,
+    /// Step time against this worker's normal.
+    pub step_costs: Arc<steps::Counters>,
 }
 
 /// Handle to the decode loop.
@@ -119,6 +123,7 @@ impl Batcher {
             tickets_reopened: AtomicU64::new(0),
             prefix: SharedPrefix::new(&engine.kv.blocks),
             block_bytes: engine.kv.layout.block_bytes(),
+            step_costs: Arc::default(),
         });
         let (tx, rx) = mpsc::channel();
         let s = stats.clone();
@@ -128,6 +133,7 @@ impl Batcher {
             .spawn(move || {
                 let _alive = guard;
                 Loop {
+                    meter: Meter::new(&engine.pool_thread_ids(), s.step_costs.clone()),
                     engine,
                     max_batch: max_batch.max(1),
                     local_step_tokens: local_step_tokens.max(1),
@@ -200,12 +206,22 @@ struct Seq {
     steps: u32,
     batch_sum: u64,
     batch_max: u32,
+    /// What its steps cost against the worker's normal.
+    costs: steps::Totals,
+    /// Its steps that also fed local prefill tokens.
+    with_prefill: u32,
+    /// The worker's usual batch size when it last stepped.
+    batch_usual: f64,
 }
 
 impl Seq {
     /// Record the loop's totals and end `decode_loop` (once).
     fn end_span(&mut self) {
         let span = std::mem::replace(&mut self.span, tracing::Span::none());
+        self.costs.record(&span, self.batch_usual);
+        if self.costs.steps > 0 && !span.is_disabled() {
+            span.set_attribute(attr::STEPS_WITH_PREFILL, self.with_prefill as i64);
+        }
         span.record(attr::DECODE_STEPS, self.steps as i64);
         span.record(attr::DECODE_TOKENS, self.n_generated as i64);
         span.record(attr::DECODE_BATCH_MAX, self.batch_max as i64);
@@ -231,10 +247,12 @@ struct Prefilling {
     forward: tracing::Span,
     n_cached: u32,
     steps: u32,
+    costs: steps::Totals,
 }
 
 struct Loop {
     engine: Engine,
+    meter: Meter,
     max_batch: usize,
     /// Most prompt tokens of local prefills one step feeds.
     local_step_tokens: usize,
@@ -362,6 +380,9 @@ impl Loop {
                     steps: 0,
                     batch_sum: 0,
                     batch_max: 0,
+                    costs: steps::Totals::default(),
+                    with_prefill: 0,
+                    batch_usual: 0.0,
                 };
                 if self.emit(&mut s, &ev) {
                     self.ready.push_back(s);
@@ -412,7 +433,15 @@ impl Loop {
             { attr::PROMPT_TOKENS } = n_prompt as i64,
             { attr::PREFILL_CACHED_TOKENS } = n_cached as i64, { attr::PREFILL_COMPUTED_TOKENS } = computed as i64,
             { attr::PREFILL_STEPS } = tracing::field::Empty);
-        self.prefilling.push_back(Prefilling { id, events, server, forward, n_cached, steps: 0 });
+        self.prefilling.push_back(Prefilling {
+            id,
+            events,
+            server,
+            forward,
+            n_cached,
+            steps: 0,
+            costs: steps::Totals::default(),
+        });
     }
 
     fn release_reserved(&mut self, seq: SeqId) {
@@ -511,13 +540,17 @@ impl Loop {
         let span = pdmesh_worker::step_span(span::DECODE_STEP, requests, runs.len());
         let trace_id = pdmesh_core::telemetry::trace_id(&span);
         let kernels = !span.is_disabled() && self.running.iter().any(|s| self.kernel_spans.covers(s.n_generated + 1));
-        let t = Instant::now();
+        let mark = self.meter.start();
         let result = {
             let _in = span.enter();
             self.engine.forward_some(&runs, StepOptions { kernel_spans: kernels })
         };
+        let tokens = runs.iter().map(|(_, k)| k).sum();
+        let cost = self.meter.finish(mark, runs.len(), tokens);
+        cost.record(&span);
         drop(span);
-        self.stats.step_seconds.observe_traced(t.elapsed().as_secs_f64(), trace_id.as_deref());
+        self.charge(&cost, local.len());
+        self.stats.step_seconds.observe_traced(cost.wall_ms / 1e3, trace_id.as_deref());
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(logits) => self.after_step(logits),
@@ -534,6 +567,20 @@ impl Loop {
                     self.end_with(id, &events, why());
                 }
             }
+        }
+    }
+
+    /// Add a step's cost to the requests it served: every running one, and
+    /// the local prefills it fed (the oldest first, as `plan_local` picks).
+    fn charge(&mut self, cost: &steps::Step, fed: usize) {
+        let usual = self.meter.batch_usual();
+        for s in &mut self.running {
+            s.costs.add(cost);
+            s.with_prefill += u32::from(fed > 0);
+            s.batch_usual = usual;
+        }
+        for p in self.prefilling.iter_mut().take(fed) {
+            p.costs.add(cost);
         }
     }
 
@@ -558,6 +605,7 @@ impl Loop {
         self.prefilling = waiting.into();
         for p in done {
             p.forward.record(attr::PREFILL_STEPS, p.steps as i64);
+            p.costs.record(&p.forward, self.meter.batch_usual());
             let first = events.remove(&p.id).expect("partitioned on it");
             drop(p.forward);
             self.join(p.id, first, p.events, p.server, p.n_cached);

@@ -38,6 +38,7 @@ fn render(st: &Stats, f: Format) -> String {
         .counter("pdmesh_decode_tickets_reopened_total", "Transfer tickets opened again at a kvbroker that had lost them (restarted) before their transfer began.", st.tickets_reopened.load(Ordering::Relaxed));
     st.outcomes.render(&mut t, "pdmesh_decode_requests_total", "Finished decode requests by outcome.");
     st.prefix.render("decode", st.block_bytes, &mut t);
+    st.step_costs.render("decode", &mut t);
     t.finish()
 }
 

@@ -207,6 +207,12 @@ impl Engine {
         self.pool.threads()
     }
 
+    /// Kernel thread ids of the compute pool's workers (the thread that
+    /// calls `forward_*` is the pool's other member).
+    pub fn pool_thread_ids(&self) -> Vec<u32> {
+        self.pool.os_thread_ids()
+    }
+
     /// Most positions a sequence may use (model context, capped by the arena).
     pub fn max_context(&self) -> usize {
         self.model.config.context_length.min(self.kv.total() * self.kv.layout.block_size)

@@ -38,5 +38,6 @@ pub use engine::{Engine, EngineOptions, FinishReason, SeqId, TokenEvent};
 pub use error::EngineError;
 pub use kv::{KvBlob, KvCache, KvLayout};
 pub use model::Model;
+pub use pdmesh_kernels::pool::os_thread_id;
 pub use sampler::SamplingParams;
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};

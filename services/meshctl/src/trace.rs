@@ -28,6 +28,31 @@ pub struct Span {
     /// (trace id, span id) of each linked span.
     pub links: Vec<(String, String)>,
     pub error: bool,
+    /// The error status's description (empty when none).
+    pub status_message: String,
+    /// Events recorded on the span (logs, `exception`), in order.
+    pub events: Vec<Event>,
+}
+
+/// An event on a span: its name (for a log, the message) and attributes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub name: String,
+    pub time_ns: u64,
+    pub attrs: BTreeMap<String, Value>,
+}
+
+impl Event {
+    /// An `exception` event, or a log at level ERROR.
+    pub fn is_error(&self) -> bool {
+        self.name == "exception" || self.attrs.get("level").and_then(|v| v.as_str()) == Some("ERROR")
+    }
+
+    /// What the event says went wrong.
+    pub fn message(&self) -> String {
+        let a = |k: &str| self.attrs.get(k).and_then(|v| v.as_str()).map(str::to_string);
+        a("exception.message").or_else(|| a("exception.type")).unwrap_or_else(|| self.name.clone())
+    }
 }
 
 impl Span {
@@ -111,6 +136,16 @@ pub fn from_otlp(req: &ExportTraceServiceRequest) -> Vec<Span> {
                     attrs,
                     links: s.links.iter().map(|l| (hex(&l.trace_id), hex(&l.span_id))).collect(),
                     error: s.status.as_ref().is_some_and(|st| st.code == 2),
+                    status_message: s.status.as_ref().map(|st| st.message.clone()).unwrap_or_default(),
+                    events: s
+                        .events
+                        .iter()
+                        .map(|e| Event {
+                            name: e.name.clone(),
+                            time_ns: e.time_unix_nano,
+                            attrs: attrs_map(&e.attributes),
+                        })
+                        .collect(),
                 });
             }
         }
@@ -154,7 +189,12 @@ pub fn to_otlp_json(spans: &[Span]) -> Value {
             "endTimeUnixNano": s.end_ns.to_string(),
             "attributes": s.attrs.iter().map(|(k, v)| json_attr(k, v)).collect::<Vec<_>>(),
             "links": s.links.iter().map(|(t, i)| json!({ "traceId": t, "spanId": i })).collect::<Vec<_>>(),
-            "status": { "code": if s.error { 2 } else { 0 } },
+            "status": { "code": if s.error { 2 } else { 0 }, "message": s.status_message },
+            "events": s.events.iter().map(|e| json!({
+                "name": e.name,
+                "timeUnixNano": e.time_ns.to_string(),
+                "attributes": e.attrs.iter().map(|(k, v)| json_attr(k, v)).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
         });
         by_service.entry(&s.service).or_default().push(v);
     }
@@ -281,6 +321,23 @@ pub fn from_otlp_json(doc: &Value) -> Vec<Span> {
                         .get("status")
                         .and_then(|st| st.get("code"))
                         .is_some_and(|c| c == 2 || c == "STATUS_CODE_ERROR"),
+                    status_message: s
+                        .get("status")
+                        .and_then(|st| st.get("message"))
+                        .and_then(|m| m.as_str())
+                        .unwrap_or_default()
+                        .to_string(),
+                    events: s
+                        .get("events")
+                        .and_then(|v| v.as_array())
+                        .into_iter()
+                        .flatten()
+                        .map(|e| Event {
+                            name: e.get("name").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+                            time_ns: num(e.get("timeUnixNano")),
+                            attrs: json_attrs(e.get("attributes")),
+                        })
+                        .collect(),
                 });
             }
         }
@@ -337,8 +394,26 @@ pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
         let start_us = s.get("startTime").and_then(|v| v.as_u64()).unwrap_or(0);
         let dur_us = s.get("duration").and_then(|v| v.as_u64()).unwrap_or(0);
         let kind = attrs.get("span.kind").and_then(|v| v.as_str()).unwrap_or("internal").to_string();
-        let error = attrs.get("error").is_some_and(|v| v == true)
+        let error = attrs.get("error").is_some_and(|v| v == true || v == "true")
             || attrs.get("otel.status_code").is_some_and(|v| v == "ERROR");
+        let status_message =
+            attrs.get("otel.status_description").and_then(|v| v.as_str()).unwrap_or_default().to_string();
+        let events = s
+            .get("logs")
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+            .map(|l| {
+                let mut attrs: BTreeMap<String, Value> = BTreeMap::new();
+                for f in l.get("fields").and_then(|v| v.as_array()).into_iter().flatten() {
+                    if let (Some(k), Some(v)) = (f.get("key").and_then(|k| k.as_str()), f.get("value")) {
+                        attrs.insert(k.to_string(), v.clone());
+                    }
+                }
+                let name = attrs.remove("event").and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+                Event { name, time_ns: l.get("timestamp").and_then(|v| v.as_u64()).unwrap_or(0) * 1000, attrs }
+            })
+            .collect();
         out.push(Span {
             trace_id: s.get("traceID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
             span_id: s.get("spanID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
@@ -351,6 +426,8 @@ pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
             attrs,
             links,
             error,
+            status_message,
+            events,
         });
     }
     Ok(out)
@@ -367,11 +444,12 @@ pub fn parse_trace_id(s: &str) -> Result<String, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
     use pdmesh_core::vocab::rpc;
 
-    fn span(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn span(
         id: &str,
         parent: &str,
         name: &str,
@@ -393,10 +471,12 @@ mod tests {
             attrs: attrs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
             links: vec![],
             error: false,
+            status_message: String::new(),
+            events: vec![],
         }
     }
 
-    fn sample() -> Vec<Span> {
+    pub(crate) fn sample() -> Vec<Span> {
         vec![
             span(
                 "0000000000000001",
@@ -471,8 +551,24 @@ mod tests {
                 880,
                 &[("decode.steps", json!(31))],
             ),
+            span(
+                "000000000000000b",
+                "0000000000000002",
+                "detokenize",
+                "pdmesh-router",
+                "internal",
+                9,
+                890,
+                &[("detokenize.calls", json!(31))],
+            ),
         ]
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::sample;
+    use super::*;
 
     /// The same spans in Jaeger's `/api/traces/<id>` shape (a hand-made
     /// document following Jaeger's query API, not a real Jaeger).

@@ -19,6 +19,7 @@ use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
 use pdmesh_worker::prefix::SharedPrefix;
+use pdmesh_worker::steps::{self, Meter};
 use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 
@@ -77,6 +78,8 @@ pub struct Stats {
     pub block_bytes: usize,
     /// The prefix cache as the loop last published it.
     pub prefix: SharedPrefix,
+    /// Step time against this worker's normal.
+    pub step_costs: Arc<steps::Counters>,
 }
 
 #[derive(Default)]
@@ -131,6 +134,7 @@ impl Batcher {
             expected_wait_ms: AtomicU64::new(0),
             block_bytes: engine.kv.layout.block_bytes(),
             prefix: SharedPrefix::new(&engine.kv.blocks),
+            step_costs: Arc::default(),
         });
         let q = Arc::new(Queue { state: Mutex::new(State::default()), wake: Condvar::new() });
         let (q2, s2) = (q.clone(), stats.clone());
@@ -140,6 +144,7 @@ impl Batcher {
             .spawn(move || {
                 let _alive = guard;
                 run(Loop {
+                    meter: Meter::new(&engine.pool_thread_ids(), s2.step_costs.clone()),
                     engine,
                     q: q2,
                     stats: s2,
@@ -265,12 +270,15 @@ struct Active {
     /// `prefill_forward`: from admission until the first token.
     forward: tracing::Span,
     steps: u32,
+    /// What its steps cost against the worker's normal.
+    costs: steps::Totals,
 }
 
 /// The prefill loop's own state: the engine, the queue it serves, the
 /// prompts being computed, and the blocks pinned for transfers.
 struct Loop {
     engine: Engine,
+    meter: Meter,
     q: Arc<Queue>,
     stats: Arc<Stats>,
     max_batch: usize,
@@ -404,7 +412,7 @@ impl Loop {
             { attr::PROMPT_TOKENS } = job.prompt.len() as i64,
             { attr::PREFILL_CACHED_TOKENS } = cached as i64, { attr::PREFILL_COMPUTED_TOKENS } = computed as i64,
             { attr::PREFILL_STEPS } = tracing::field::Empty);
-        self.active.push(Active { id, job, forward, steps: 0 });
+        self.active.push(Active { id, job, forward, steps: 0, costs: steps::Totals::default() });
         None
     }
 
@@ -451,14 +459,19 @@ impl Loop {
         let in_step = self.active.iter().zip(&take).filter(|(_, n)| **n > 0).map(|(a, _)| &a.forward);
         let step = pdmesh_worker::step_span(span::PREFILL_STEP, in_step, runs.len());
         let trace_id = pdmesh_core::telemetry::trace_id(&step);
-        let t = Instant::now();
+        let mark = self.meter.start();
         let result = {
             let _in = step.enter();
             let kernel_spans = !step.is_disabled() && self.kernel_spans.covers(1);
             self.engine.forward_some(&runs, StepOptions { kernel_spans })
         };
+        let cost = self.meter.finish(mark, runs.len(), tokens);
+        cost.record(&step);
         drop(step);
-        let secs = t.elapsed().as_secs_f64();
+        for (a, _) in self.active.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
+            a.costs.add(&cost);
+        }
+        let secs = cost.wall_ms / 1e3;
         self.stats.step_seconds.observe_traced(secs, trace_id.as_deref());
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.stats.prompt_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
@@ -489,6 +502,7 @@ impl Loop {
         let Some(i) = self.active.iter().position(|a| a.id == id) else { return };
         let a = self.active.remove(i);
         a.forward.record(attr::PREFILL_STEPS, a.steps as i64);
+        a.costs.record(&a.forward, self.meter.batch_usual());
         let n_tokens = a.job.prompt.len();
         let engine = &mut self.engine;
         let r = engine.accept(id, logits).and_then(|ev| {

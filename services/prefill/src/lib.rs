@@ -72,6 +72,7 @@ fn render(st: &Stats, f: Format) -> String {
     );
     st.outcomes.render(&mut t, "pdmesh_prefill_requests_total", "Finished prefill requests by outcome.");
     st.prefix.render("prefill", st.block_bytes, &mut t);
+    st.step_costs.render("prefill", &mut t);
     t.finish()
 }
 

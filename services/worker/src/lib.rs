@@ -4,6 +4,7 @@
 
 pub mod kv;
 pub mod prefix;
+pub mod steps;
 
 pub use kv::{layout_from_wire, layout_to_wire};
 

@@ -1,0 +1,366 @@
+//! The words: one line per cause, each naming the spans and attributes it
+//! was read from, and the sentence that leads the report.
+
+use super::attempt::{instance, Attempt, Marks, Outcome};
+use super::judge::{knobs, Judgment};
+use super::timeline::Timeline;
+use super::{AttemptSummary, Cause, Evidence, Finding, Part};
+use crate::trace::Span;
+use pdmesh_core::vocab::{attr, pick_key, span};
+
+fn int(s: Option<&Span>, key: &str) -> i64 {
+    s.and_then(|s| s.attr_f64(key)).map_or(0, |v| v as i64)
+}
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+/// The attempt holding `t` (the latest one started by then).
+fn attempt_at(all: &[Attempt], t: u64) -> usize {
+    all.iter().rposition(|a| a.root.start_ns <= t).unwrap_or(0)
+}
+
+/// The attempt that spent the most time on `cause`.
+fn main_attempt<'x, 'a>(cause: Cause, all: &'x [Attempt<'a>], t: &Timeline) -> &'x Attempt<'a> {
+    let mut per = vec![0u64; all.len()];
+    for s in t.segs().iter().filter(|s| s.cause == cause) {
+        per[attempt_at(all, s.start)] += s.end - s.start;
+    }
+    let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
+    &all[i]
+}
+
+fn evidence(spans: &[Option<&Span>]) -> Vec<Evidence> {
+    spans.iter().flatten().map(|s| Evidence::of(s)).collect()
+}
+
+/// The line for `cause` and the spans it comes from.
+pub fn detail(cause: Cause, all: &[Attempt], t: &Timeline) -> (String, Vec<Evidence>) {
+    match cause {
+        Cause::Refused | Cause::Failed => faults(cause, all),
+        Cause::BetweenAttempts => between(all),
+        _ => {
+            let a = main_attempt(cause, all, t);
+            let (mut line, ev) = stage(cause, &a.marks, &a.spans);
+            if let Some((j, worker, s)) = judged(cause, a) {
+                line += &format!("; {}", j.words(&worker, &s.name));
+            }
+            if all.len() > 1 {
+                line = format!("attempt {}: {line}", all.iter().position(|x| std::ptr::eq(x, a)).unwrap_or(0) + 1);
+            }
+            (line, ev)
+        }
+    }
+}
+
+/// Every refused (or failed) call and attempt, in order.
+fn faults(cause: Cause, all: &[Attempt]) -> (String, Vec<Evidence>) {
+    let refused = cause == Cause::Refused;
+    let mut lines = Vec::new();
+    let mut ev = Vec::new();
+    for (i, a) in all.iter().enumerate() {
+        for f in a.faults.iter().filter(|f| f.refused == refused) {
+            let took = ms(f.call.end_ns - f.from_ns);
+            let what = f.call.name.rsplit('/').next().unwrap_or(&f.call.name);
+            lines.push(format!(
+                "attempt {}: {} {} it: {} after {:.0} ms ({} client span {}{})",
+                i + 1,
+                f.worker,
+                if refused { "refused" } else { "failed" },
+                f.status,
+                took,
+                what,
+                short(&f.call.span_id),
+                if f.worker_spans || refused {
+                    ""
+                } else {
+                    "; the worker's own spans never arrived: it died or was cut off"
+                }
+            ));
+            ev.push(Evidence::of(f.call));
+        }
+        let whole = match (&a.outcome, refused) {
+            (Outcome::Refused(w), true) | (Outcome::Failed(w), false) if a.faults.is_empty() => Some(w),
+            _ => None,
+        };
+        if let Some(w) = whole {
+            lines.push(format!(
+                "attempt {} ended {}: {w} ({} span {})",
+                i + 1,
+                a.outcome.label(),
+                a.root.name,
+                short(&a.root.span_id)
+            ));
+            ev.push(Evidence::of(a.root));
+        }
+        if let Some(e) =
+            a.spans.iter().flat_map(|s| s.events.iter().filter(|e| e.is_error()).map(move |e| (s, e))).next()
+        {
+            lines.push(format!("error event on {} ({}): {}", e.0.name, instance(Some(e.0)), e.1.message()));
+        }
+    }
+    (lines.join("; "), ev)
+}
+
+/// The client's waits between attempts, and what each followed.
+fn between(all: &[Attempt]) -> (String, Vec<Evidence>) {
+    let mut lines = Vec::new();
+    let mut ev = Vec::new();
+    for (i, w) in all.windows(2).enumerate() {
+        let gap = w[1].root.start_ns.saturating_sub(w[0].root.end_ns);
+        if gap == 0 {
+            continue;
+        }
+        lines.push(format!(
+            "the client sent attempt {} {:.0} ms after attempt {} ended {} (no span covers this: it is the client's own wait, between {} spans {} and {})",
+            i + 2,
+            ms(gap),
+            i + 1,
+            w[0].outcome.label(),
+            w[0].root.name,
+            short(&w[0].root.span_id),
+            short(&w[1].root.span_id)
+        ));
+        ev.extend([Evidence::of(w[0].root), Evidence::of(w[1].root)]);
+    }
+    (lines.join("; "), ev)
+}
+
+fn short(id: &str) -> &str {
+    &id[..id.len().min(8)]
+}
+
+/// How long after a call the worker's server span began (a worker stopped,
+/// or not serving its socket, takes calls up late).
+fn late_pickup(call: Option<&Span>, server: Option<&Span>) -> Option<f64> {
+    let (c, s) = (call?, server?);
+    let late = ms(s.start_ns.saturating_sub(c.start_ns));
+    (late >= 20.0).then_some(late)
+}
+
+/// A stage's line, from the attempt's marks.
+fn stage(cause: Cause, m: &Marks, spans: &[&Span]) -> (String, Vec<Evidence>) {
+    match cause {
+        Cause::Gateway => (format!("gateway {} (request span)", instance(m.gateway)), evidence(&[m.gateway])),
+        Cause::Router => {
+            let picked = route(spans);
+            let sep = if picked.is_empty() { "" } else { "; " };
+            (format!("router {} (Router/Generate span){sep}{picked}", instance(m.router)), evidence(&[m.router]))
+        }
+        Cause::Tokenize => {
+            let own = m.encode.map_or(0.0, |e| ms(e.duration_ns()));
+            let mut line = format!("{} prompt tokens (tokenize span on {})", int(m.tokenize, attr::PROMPT_TOKENS), instance(m.router));
+            if let Some(late) = late_pickup(m.tokenize, m.encode) {
+                line += &format!(
+                    "; {} took the Encode call up {late:.0} ms after it was sent and worked {own:.1} ms on it (Encode server span): it was not serving (stopped, or starved of CPU)",
+                    instance(m.encode)
+                );
+            }
+            (line, evidence(&[m.tokenize, m.encode]))
+        }
+        Cause::QueueWait => {
+            let mut line = format!(
+                "behind {} running and {} queued on {} (queued span){}",
+                int(m.queued, attr::PREFILL_RUNNING),
+                int(m.queued, attr::PREFILL_QUEUE_DEPTH),
+                instance(m.prefill),
+                m.queued
+                    .and_then(|q| q.attr_f64(attr::QUEUE_HELD_MS))
+                    .map(|h| format!(" (queue held {h:.0} ms by a fault switch)"))
+                    .unwrap_or_default()
+            );
+            if let Some(late) = late_pickup(m.prefill_call, m.prefill) {
+                line += &format!(
+                    "; {} took the Prefill call up {late:.0} ms after the router sent it (Prefill client span against its server span): it was not serving (stopped, or starved of CPU)",
+                    instance(m.prefill)
+                );
+            }
+            (line, evidence(&[m.prefill_call, m.queued]))
+        }
+        Cause::PrefillCompute => (prefill_line(m), evidence(&[m.forward])),
+        Cause::DecodeAdmission => (
+            format!(
+                "{} running, {} awaiting KV on {} (admit span)",
+                int(m.admit, attr::DECODE_RUNNING),
+                int(m.admit, attr::DECODE_AWAITING_KV),
+                instance(m.decode)
+            ),
+            evidence(&[m.admit]),
+        ),
+        Cause::KvTransfer => (
+            format!(
+                "{} bytes over {} (kv_transfer span, write {:.1} ms){}",
+                int(m.xfer, attr::KV_BYTES),
+                m.xfer.and_then(|x| x.attr_str(attr::KV_TRANSPORT)).unwrap_or("?"),
+                m.xfer.and_then(|x| x.attr_f64(attr::KV_WRITE_MS)).unwrap_or(0.0),
+                m.xfer
+                    .and_then(|x| x.attr_f64(attr::FAULT_STALL_MS))
+                    .map(|s| format!(", stalled {s:.0} ms by a fault switch"))
+                    .unwrap_or_default()
+            ),
+            evidence(&[m.xfer, m.await_kv]),
+        ),
+        Cause::DecodeSteps => (
+            format!(
+                "{} steps, batch mean {:.1} max {}, {} already running on {} when it joined (decode_loop span)",
+                int(m.decode_loop, attr::DECODE_STEPS),
+                m.decode_loop.and_then(|l| l.attr_f64(attr::DECODE_BATCH_MEAN)).unwrap_or(0.0),
+                int(m.decode_loop, attr::DECODE_BATCH_MAX),
+                int(m.decode_loop, attr::DECODE_RUNNING_ON_JOIN),
+                instance(m.decode)
+            ),
+            evidence(&[m.decode_loop]),
+        ),
+        Cause::Detokenize => (
+            format!(
+                "the tail after the last token: {} detokenize calls, {:.1} ms busy in all (detokenize span)",
+                int(m.detok, attr::DETOKENIZE_CALLS),
+                m.detok.and_then(|d| d.attr_f64(attr::DETOKENIZE_BUSY_MS)).unwrap_or(0.0)
+            ),
+            evidence(&[m.detok]),
+        ),
+        Cause::ClientWrite => (
+            format!(
+                "response data waited {:.0} ms in all for the client to read it ({} chunks; gateway.client_wait_ms, gateway.client_tail_ms)",
+                m.gateway.and_then(|g| g.attr_f64(attr::CLIENT_WAIT_MS)).unwrap_or(0.0),
+                int(m.gateway, attr::CHUNKS)
+            ),
+            evidence(&[m.gateway]),
+        ),
+        Cause::Refused | Cause::Failed | Cause::BetweenAttempts => (String::new(), vec![]),
+    }
+}
+
+fn prefill_line(m: &Marks) -> String {
+    let f = m.forward;
+    let steps = match int(f, attr::PREFILL_STEPS) {
+        1 => "1 step".to_string(),
+        n => format!("{n} steps"),
+    };
+    if f.is_some_and(|f| f.attr_bool(attr::PREFILL_LOCAL) == Some(true)) {
+        return format!(
+            "{} prompt tokens prefilled locally by {} beside its decode steps, in {steps}{} (prefill_forward span)",
+            int(f, attr::PROMPT_TOKENS),
+            instance(m.decode),
+            cached_note(f)
+        );
+    }
+    format!(
+        "{} prompt tokens in a batch of {} ({} tokens), in {steps}{} (prefill_forward span on {})",
+        int(f, attr::PROMPT_TOKENS),
+        int(f, attr::BATCH_SIZE),
+        int(f, attr::BATCH_TOKENS),
+        cached_note(f),
+        instance(m.prefill)
+    )
+}
+
+/// "; prefill skipped N cached tokens, computed M" when `forward` reused any.
+fn cached_note(forward: Option<&Span>) -> String {
+    match int(forward, attr::PREFILL_CACHED_TOKENS) {
+        0 => String::new(),
+        n => format!("; prefill skipped {n} cached tokens, computed {}", int(forward, attr::PREFILL_COMPUTED_TOKENS)),
+    }
+}
+
+/// Which workers the `route` span says were picked, and why.
+fn route(spans: &[&Span]) -> String {
+    let Some(r) = super::attempt::last(spans, |s| s.name == span::ROUTE) else { return String::new() };
+    let num = |k: &str| r.attr_f64(k).unwrap_or(0.0) as i64;
+    let decode = r.attr_str(&pick_key("decode", attr::PICK_INSTANCE)).unwrap_or("?");
+    if r.attr_str(attr::ROUTE_PREFILL_MODE) == Some("local") {
+        return format!(
+            "picked {decode}, which prefilled locally ({} uncached prompt tokens, at most {}; route span)",
+            num(attr::ROUTE_LOCAL_TAIL_TOKENS),
+            num(attr::ROUTE_MAX_LOCAL_PREFILL)
+        );
+    }
+    let branch = r
+        .attr_str(&pick_key("prefill", attr::PICK_BRANCH))
+        .map(|b| {
+            format!(
+                " ({b}: holds {} of {} prompt blocks)",
+                num(&pick_key("prefill", attr::PICK_OVERLAP_BLOCKS)),
+                num(&pick_key("prefill", attr::PICK_PROMPT_BLOCKS))
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "picked {}{branch} and {decode} (route span)",
+        r.attr_str(&pick_key("prefill", attr::PICK_INSTANCE)).unwrap_or("?")
+    )
+}
+
+/// The judgment of the steps behind `cause` (decode steps, prefill
+/// compute) in attempt `a`: the judgment, the worker, the span it is read from.
+fn judged<'a>(cause: Cause, a: &Attempt<'a>) -> Option<(Judgment, String, &'a Span)> {
+    let m = &a.marks;
+    let local = m.forward.is_some_and(|f| f.attr_bool(attr::PREFILL_LOCAL) == Some(true));
+    let (s, worker) = match cause {
+        Cause::DecodeSteps => (m.decode_loop?, m.decode),
+        Cause::PrefillCompute => (m.forward?, if local { m.decode } else { m.prefill }),
+        _ => return None,
+    };
+    let kernels: Vec<&Span> = a.spans.iter().copied().filter(|k| k.attrs.contains_key("kernel.backend")).collect();
+    Some((Judgment::of(s, knobs(&kernels))?, instance(worker), s))
+}
+
+/// Steps far from their worker's normal, in every attempt.
+pub fn findings(all: &[Attempt]) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for a in all {
+        for cause in [Cause::DecodeSteps, Cause::PrefillCompute] {
+            let Some((j, worker, s)) = judged(cause, a).filter(|(j, _, _)| j.abnormal()) else { continue };
+            out.push(Finding {
+                cause: cause.label(),
+                factor: j.factor(),
+                wait_share: j.wait_share(),
+                starved: j.starved(),
+                slow: j.slow(),
+                words: j.words(&worker, &s.name),
+                worker,
+                evidence: Evidence::of(s),
+            });
+        }
+    }
+    out
+}
+
+/// The report's first sentence: the dominant cause and its evidence, then
+/// the attempts, then any abnormal steps it did not already name.
+pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal: &[Finding]) -> String {
+    let across = if attempts.len() > 1 { format!(" across {} attempts", attempts.len()) } else { String::new() };
+    let mut out = format!(
+        "{} took {:.0}% of the request ({:.0} of {:.0} ms{across}): {}.",
+        capitalise(top.cause),
+        top.share * 100.0,
+        top.ms,
+        total_ms,
+        top.detail
+    );
+    if attempts.len() > 1 {
+        let each: Vec<String> = attempts
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                format!(
+                    "{} {}{}",
+                    i + 1,
+                    a.outcome,
+                    if a.status.is_empty() { String::new() } else { format!(" ({})", a.status) }
+                )
+            })
+            .collect();
+        out += &format!(" Attempts: {}.", each.join(", "));
+    }
+    for f in abnormal.iter().filter(|f| !top.detail.contains(&f.words)) {
+        out += &format!(" Abnormal {} on {}: {}.", f.cause, f.worker, f.words);
+    }
+    out
+}
+
+fn capitalise(s: &str) -> String {
+    let mut c = s.chars();
+    c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
+}
