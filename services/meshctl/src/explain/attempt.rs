@@ -296,6 +296,11 @@ fn faults<'a>(spans: &[&'a Span]) -> Vec<Fault<'a>> {
             from_ns: if refused { call.start_ns } else { from.clamp(call.start_ns, call.end_ns) },
         });
     }
+    // A call whose failure came from a failed call below it (the gateway's
+    // call to the router, failed because the router's call to a worker
+    // did) is told by the inner one, which names the worker.
+    let inner: Vec<&Span> = out.iter().map(|f| f.call).collect();
+    out.retain(|f| !inner.iter().any(|c| c.span_id != f.call.span_id && descends(spans, c, f.call)));
     out
 }
 

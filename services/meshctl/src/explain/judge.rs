@@ -10,6 +10,11 @@ use pdmesh_core::vocab::steps::{SLOW_FACTOR, STARVED_SHARE};
 
 /// Run-queue time below this is noise, whatever its share.
 const MIN_RUNQ_MS: f64 = 20.0;
+/// Where no normal is known yet, steps count as abnormal only when their
+/// threads waited for a CPU at least this share of their runnable time,
+/// and this long.
+const STARVED_UNJUDGED_SHARE: f64 = 0.5;
+const STARVED_UNJUDGED_MS: f64 = 100.0;
 /// Judged step time below this is too little to call slow.
 const MIN_JUDGED_MS: f64 = 20.0;
 
@@ -70,8 +75,13 @@ impl Judgment {
         self.runq_ms >= MIN_RUNQ_MS && self.wait_share() >= STARVED_SHARE
     }
 
+    /// Slow against the worker's normal; or, where none is known yet,
+    /// starved for most of the steps' time.
     pub fn abnormal(&self) -> bool {
-        self.slow() || self.starved()
+        self.slow()
+            || (self.factor().is_none()
+                && self.runq_ms >= STARVED_UNJUDGED_MS
+                && self.wait_share() >= STARVED_UNJUDGED_SHARE)
     }
 
     fn bigger_batch(&self) -> bool {
@@ -82,15 +92,14 @@ impl Judgment {
     pub fn words(&self, worker: &str, span_name: &str) -> String {
         let mut out = match self.factor() {
             Some(f) => format!(
-                "its steps ran {f:.1}x {} {worker}'s normal for their shapes ({span_name} steps.judged_ms {:.0} against steps.normal_ms {:.0})",
-                if f >= 1.0 { "slower than" } else { "the speed of" },
+                "its steps took {f:.1}x {worker}'s normal for their shapes ({span_name} steps.judged_ms {:.0} against steps.normal_ms {:.0})",
                 self.judged_ms,
                 self.normal_ms
             ),
             None => format!("no normal was known yet on {worker} for these step shapes ({span_name} steps.judged_ms 0)"),
         };
         if !self.abnormal() {
-            out += ": within normal";
+            out += if self.factor().is_some() { ": within normal" } else { ": not judged" };
             return out;
         }
         let mut why = Vec::new();
@@ -159,11 +168,13 @@ mod tests {
     fn slow_and_starved_are_told_apart() {
         let normal = j(130.0, 120.0, 250.0, 3.0);
         assert!(!normal.abnormal(), "{}", normal.words("decode-0", "decode_loop"));
+        let a_little_cpu_wait = j(67.0, 49.0, 77.0, 21.0);
+        assert!(a_little_cpu_wait.starved() && !a_little_cpu_wait.abnormal(), "1.4x is within normal");
         assert!(normal.words("decode-0", "decode_loop").contains("within normal"));
         let starved = j(4500.0, 120.0, 1000.0, 3500.0);
         assert!(starved.slow() && starved.starved());
         let w = starved.words("decode-0", "decode_loop");
-        assert!(w.contains("37.5x") && w.contains("CPU starved") && w.contains("78%"), "{w}");
+        assert!(w.contains("took 37.5x") && w.contains("CPU starved") && w.contains("78%"), "{w}");
         let unexplained = j(600.0, 120.0, 1200.0, 0.0);
         assert!(unexplained.slow() && !unexplained.starved());
         assert!(unexplained.words("decode-0", "decode_loop").contains("cannot tell why"));

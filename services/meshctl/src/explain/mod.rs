@@ -177,7 +177,7 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
         a.paint(&mut t);
     }
     let ms = |ns: u64| ns as f64 / 1e6;
-    let abnormal = words::findings(&all);
+    let abnormal = words::findings(&all, &t);
     let parts: Vec<Part> = Cause::ALL
         .iter()
         .map(|&c| {

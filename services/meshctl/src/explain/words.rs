@@ -21,14 +21,13 @@ fn attempt_at(all: &[Attempt], t: u64) -> usize {
     all.iter().rposition(|a| a.root.start_ns <= t).unwrap_or(0)
 }
 
-/// The attempt that spent the most time on `cause`.
-fn main_attempt<'x, 'a>(cause: Cause, all: &'x [Attempt<'a>], t: &Timeline) -> &'x Attempt<'a> {
+/// Nanoseconds each attempt spent on `cause`.
+fn per_attempt(cause: Cause, all: &[Attempt], t: &Timeline) -> Vec<u64> {
     let mut per = vec![0u64; all.len()];
     for s in t.segs().iter().filter(|s| s.cause == cause) {
         per[attempt_at(all, s.start)] += s.end - s.start;
     }
-    let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
-    &all[i]
+    per
 }
 
 fn evidence(spans: &[Option<&Span>]) -> Vec<Evidence> {
@@ -41,14 +40,24 @@ pub fn detail(cause: Cause, all: &[Attempt], t: &Timeline) -> (String, Vec<Evide
         Cause::Refused | Cause::Failed => faults(cause, all),
         Cause::BetweenAttempts => between(all),
         _ => {
-            let a = main_attempt(cause, all, t);
-            let (mut line, ev) = stage(cause, &a.marks, &a.spans);
+            // The words from the attempt that spent the most on it; the
+            // evidence from every attempt that spent any.
+            let per = per_attempt(cause, all, t);
+            let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
+            let a = &all[i];
+            let (mut line, _) = stage(cause, &a.marks, &a.spans);
             if let Some((j, worker, s)) = judged(cause, a) {
                 line += &format!("; {}", j.words(&worker, &s.name));
             }
             if all.len() > 1 {
-                line = format!("attempt {}: {line}", all.iter().position(|x| std::ptr::eq(x, a)).unwrap_or(0) + 1);
+                line = format!("attempt {}: {line}", i + 1);
             }
+            let ev = all
+                .iter()
+                .zip(&per)
+                .filter(|(_, n)| **n > 0)
+                .flat_map(|(a, _)| stage(cause, &a.marks, &a.spans).1)
+                .collect();
             (line, ev)
         }
     }
@@ -59,9 +68,19 @@ fn faults(cause: Cause, all: &[Attempt]) -> (String, Vec<Evidence>) {
     let refused = cause == Cause::Refused;
     let mut lines = Vec::new();
     let mut ev = Vec::new();
+    // Calls that failed at once, the same way at the same worker, are told once.
+    let mut instant: Vec<(String, String, Vec<usize>)> = Vec::new();
     for (i, a) in all.iter().enumerate() {
         for f in a.faults.iter().filter(|f| f.refused == refused) {
             let took = ms(f.call.end_ns - f.from_ns);
+            ev.push(Evidence::of(f.call));
+            if took < 1.0 {
+                match instant.iter_mut().find(|(w, st, _)| *w == f.worker && *st == f.status) {
+                    Some((_, _, at)) => at.push(i + 1),
+                    None => instant.push((f.worker.clone(), f.status.clone(), vec![i + 1])),
+                }
+                continue;
+            }
             let what = f.call.name.rsplit('/').next().unwrap_or(&f.call.name);
             lines.push(format!(
                 "attempt {}: {} {} it: {} after {:.0} ms ({} client span {}{})",
@@ -78,7 +97,6 @@ fn faults(cause: Cause, all: &[Attempt]) -> (String, Vec<Evidence>) {
                     "; the worker's own spans never arrived: it died or was cut off"
                 }
             ));
-            ev.push(Evidence::of(f.call));
         }
         let whole = match (&a.outcome, refused) {
             (Outcome::Refused(w), true) | (Outcome::Failed(w), false) if a.faults.is_empty() => Some(w),
@@ -99,6 +117,17 @@ fn faults(cause: Cause, all: &[Attempt]) -> (String, Vec<Evidence>) {
         {
             lines.push(format!("error event on {} ({}): {}", e.0.name, instance(Some(e.0)), e.1.message()));
         }
+    }
+    for (worker, status, at) in instant {
+        let mut at_list: Vec<String> = at.iter().map(usize::to_string).collect();
+        at_list.dedup();
+        lines.push(format!(
+            "{} call{} to {worker} {} at once: {status} (attempt {})",
+            at.len(),
+            if at.len() == 1 { "" } else { "s" },
+            if refused { "refused" } else { "failed" },
+            at_list.join(", ")
+        ));
     }
     (lines.join("; "), ev)
 }
@@ -131,6 +160,9 @@ fn short(id: &str) -> &str {
     &id[..id.len().min(8)]
 }
 
+/// What a late server span does and does not show.
+const NOT_TAKEN_UP: &str = "the time passed before the worker took the call up (the trace cannot tell whether it was stopped, starved of CPU or still starting; its process's scheduler records would)";
+
 /// How long after a call the worker's server span began (a worker stopped,
 /// or not serving its socket, takes calls up late).
 fn late_pickup(call: Option<&Span>, server: Option<&Span>) -> Option<f64> {
@@ -153,8 +185,9 @@ fn stage(cause: Cause, m: &Marks, spans: &[&Span]) -> (String, Vec<Evidence>) {
             let mut line = format!("{} prompt tokens (tokenize span on {})", int(m.tokenize, attr::PROMPT_TOKENS), instance(m.router));
             if let Some(late) = late_pickup(m.tokenize, m.encode) {
                 line += &format!(
-                    "; {} took the Encode call up {late:.0} ms after it was sent and worked {own:.1} ms on it (Encode server span): it was not serving (stopped, or starved of CPU)",
-                    instance(m.encode)
+                    "; {}'s Encode server span began {late:.0} ms after the router sent the call and took {own:.1} ms: {}",
+                    instance(m.encode),
+                    NOT_TAKEN_UP
                 );
             }
             (line, evidence(&[m.tokenize, m.encode]))
@@ -172,8 +205,9 @@ fn stage(cause: Cause, m: &Marks, spans: &[&Span]) -> (String, Vec<Evidence>) {
             );
             if let Some(late) = late_pickup(m.prefill_call, m.prefill) {
                 line += &format!(
-                    "; {} took the Prefill call up {late:.0} ms after the router sent it (Prefill client span against its server span): it was not serving (stopped, or starved of CPU)",
-                    instance(m.prefill)
+                    "; {}'s Prefill server span began {late:.0} ms after the router's Prefill client span: {}",
+                    instance(m.prefill),
+                    NOT_TAKEN_UP
                 );
             }
             (line, evidence(&[m.prefill_call, m.queued]))
@@ -306,11 +340,15 @@ fn judged<'a>(cause: Cause, a: &Attempt<'a>) -> Option<(Judgment, String, &'a Sp
     Some((Judgment::of(s, knobs(&kernels))?, instance(worker), s))
 }
 
-/// Steps far from their worker's normal, in every attempt.
-pub fn findings(all: &[Attempt]) -> Vec<Finding> {
+/// Steps far from their worker's normal, in every attempt, where they cost
+/// the request something: at least 5% of its time (a refused attempt's
+/// prefill, cancelled and run on after the refusal, cost it nothing).
+pub fn findings(all: &[Attempt], t: &Timeline) -> Vec<Finding> {
+    let total: u64 = t.segs().iter().map(|s| s.end - s.start).sum();
     let mut out = Vec::new();
-    for a in all {
-        for cause in [Cause::DecodeSteps, Cause::PrefillCompute] {
+    for cause in [Cause::DecodeSteps, Cause::PrefillCompute] {
+        let per = per_attempt(cause, all, t);
+        for a in all.iter().zip(&per).filter(|(_, ns)| **ns * 20 >= total && **ns > 0).map(|(a, _)| a) {
             let Some((j, worker, s)) = judged(cause, a).filter(|(j, _, _)| j.abnormal()) else { continue };
             out.push(Finding {
                 cause: cause.label(),
