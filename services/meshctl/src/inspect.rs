@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use pdmesh_meshctl::explain::explain;
+use pdmesh_meshctl::explain::judge::Judgment;
 use pdmesh_meshctl::sink::Sink;
 use pdmesh_meshctl::trace::{from_jaeger, parse_trace_id, read_otlp_file};
 use pdmesh_proto::common::v1 as common;
@@ -196,8 +197,17 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
     let chosen = [fin.prefill_worker.as_str(), fin.decode_worker.as_str()];
     let pick =
         |list: &[Value], id: &str| list.iter().find(|i| i["id"] == id).map(|i| i["load"].clone()).unwrap_or(json!({}));
+    let steps: Vec<Value> = chosen
+        .iter()
+        .filter(|id| !id.is_empty())
+        .filter_map(|id| {
+            let kind = before.iter().find(|i| i["id"] == *id).and_then(|i| i["service"].as_str()).unwrap_or("worker");
+            steps_during(id, kind, &pick(&before, id), &pick(&after, id))
+        })
+        .collect();
     let report = json!({
         "ttft_ms": ttft.map(|t| t.as_secs_f64() * 1e3),
+        "steps": steps,
         "total_ms": total.as_secs_f64() * 1e3,
         "completion_tokens": fin.usage.map(|u| u.completion_tokens).unwrap_or(0),
         "trace_id": trace_id,
@@ -210,6 +220,33 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
     }
     print_probe(&report, &before, &trace_id);
     Ok(())
+}
+
+/// How worker `id`'s steps during the probe compared with its normal, from
+/// its step counters before and after (`load.steps`), in explain's words.
+fn steps_during(id: &str, kind: &str, before: &Value, after: &Value) -> Option<Value> {
+    let d = |k: &str| after["steps"][k].as_f64().zip(before["steps"][k].as_f64()).map(|(a, b)| (a - b) * 1e3);
+    let wall = d("wall_seconds").filter(|w| *w > 0.0)?;
+    let j = Judgment {
+        steps: 0,
+        wall_ms: wall,
+        cpu_ms: d("cpu_seconds").unwrap_or(0.0),
+        runq_ms: d("runq_seconds").unwrap_or(0.0),
+        judged_ms: d("judged_seconds").unwrap_or(0.0),
+        normal_ms: d("normal_seconds").unwrap_or(0.0),
+        with_prefill: 0,
+        batch_mean: None,
+        batch_usual: 0.0,
+        knobs: vec![],
+    };
+    Some(json!({
+        "id": id,
+        "step_ms": wall,
+        "factor": j.factor(),
+        "cpu_wait_share": j.wait_share(),
+        "abnormal": j.abnormal(),
+        "words": j.words(id, &format!("pdmesh_{kind}_step_*_seconds_total over the probe:")),
+    }))
 }
 
 /// The probe's report for people: its latency, the chosen workers' load
@@ -244,6 +281,9 @@ fn print_probe(report: &Value, before: &[Value], trace_id: &str) {
             l["running"].as_u64().unwrap_or(0),
             l["queued_tokens"].as_u64().unwrap_or(0)
         );
+    }
+    for s in report["steps"].as_array().into_iter().flatten() {
+        println!("  {} steps during the probe: {}", s["id"].as_str().unwrap_or("?"), s["words"].as_str().unwrap_or(""));
     }
     println!("trace {trace_id} (if tracing is on: meshctl explain {trace_id} --jaeger URL | --otlp-file FILE)");
 }

@@ -42,6 +42,21 @@ fn load_of(service: &str, metrics: &str) -> serde_json::Value {
             o.insert((*n).into(), if v.fract() == 0.0 { json!(v as i64) } else { json!(v) });
         }
     }
+    if matches!(service, "prefill" | "decode") {
+        o.insert("steps".into(), step_costs(service, metrics));
+    }
+    serde_json::Value::Object(o)
+}
+
+/// A worker's step-time counters (`pdmesh_<kind>_step_*_seconds_total`):
+/// two readings tell how its steps between them compared with its normal.
+fn step_costs(service: &str, metrics: &str) -> serde_json::Value {
+    let mut o = serde_json::Map::new();
+    for n in ["wall", "judged", "normal", "cpu", "runq"] {
+        if let Some(v) = metric(metrics, &format!("pdmesh_{service}_step_{n}_seconds_total")) {
+            o.insert(format!("{n}_seconds"), json!(v));
+        }
+    }
     serde_json::Value::Object(o)
 }
 
@@ -107,7 +122,7 @@ fn print_table(list: &[serde_json::Value]) {
     for i in list {
         let load = i["load"]
             .as_object()
-            .map(|o| o.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "))
+            .map(|o| o.iter().filter(|(_, v)| !v.is_object()).map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "))
             .unwrap_or_default();
         println!(
             "{:<10} {:<14} {:<22} {:<22} {:<12} {}",

@@ -226,6 +226,13 @@ async fn explain_names_planted_causes_and_invents_none() {
     check_clean(&e, "idle");
     let d = e.parts.iter().find(|p| p.cause == "decode steps").unwrap();
     assert!(d.detail.contains("within normal"), "the steps are judged: {}", d.detail);
+    // A probe reports the same comparison, from the workers' counters.
+    let reg = mesh.dir.join("registry");
+    let at = ["--registry-dir", reg.to_str().unwrap()];
+    let v = meshctl_ok(&["probe", "--json"], &at);
+    let steps = v["steps"].as_array().expect("the probe reports steps");
+    assert_eq!(steps.len(), 2, "prefill and decode: {v}");
+    assert!(steps.iter().all(|s| s["abnormal"] == false && s["factor"].as_f64().is_some()), "{v}");
 
     // 2. The tokenizer stopped for 1.5 s under a request.
     let (c, _) = stopped_during(&gw, mesh.pid("tokenizer").await, Duration::from_millis(1500)).await;
@@ -250,6 +257,10 @@ async fn explain_names_planted_causes_and_invents_none() {
     // 4. CPU hogs on every core: the steps are starved, and explain says by how much.
     let hogs = Hogs::start(2 * std::thread::available_parallelism().map_or(2, |n| n.get()));
     tokio::time::sleep(Duration::from_millis(300)).await;
+    let v = meshctl_ok(&["probe", "--json", "--max-tokens", "4"], &at);
+    let starved = v["steps"].as_array().unwrap().iter().filter(|s| s["abnormal"] == true).count();
+    assert!(starved >= 1, "the probe sees the starved steps: {v}");
+    assert!(v["steps"].to_string().contains("CPU starved"), "{v}");
     let (c, code, text) = attempt(Client::new(&gw), body(16)).await;
     drop(hogs);
     assert_eq!(code, 200, "{text}");
