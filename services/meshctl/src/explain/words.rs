@@ -341,14 +341,14 @@ fn judged<'a>(cause: Cause, a: &Attempt<'a>) -> Option<(Judgment, String, &'a Sp
 }
 
 /// Steps far from their worker's normal, in every attempt, where they cost
-/// the request something: at least 5% of its time (a refused attempt's
+/// the request something: 50 ms or 5% of its time (a refused attempt's
 /// prefill, cancelled and run on after the refusal, cost it nothing).
 pub fn findings(all: &[Attempt], t: &Timeline) -> Vec<Finding> {
     let total: u64 = t.segs().iter().map(|s| s.end - s.start).sum();
     let mut out = Vec::new();
     for cause in [Cause::DecodeSteps, Cause::PrefillCompute] {
         let per = per_attempt(cause, all, t);
-        for a in all.iter().zip(&per).filter(|(_, ns)| **ns * 20 >= total && **ns > 0).map(|(a, _)| a) {
+        for a in all.iter().zip(&per).filter(|(_, ns)| **ns > 0 && (**ns >= 50_000_000 || **ns * 20 >= total)).map(|(a, _)| a) {
             let Some((j, worker, s)) = judged(cause, a).filter(|(j, _, _)| j.abnormal()) else { continue };
             out.push(Finding {
                 cause: cause.label(),
