@@ -122,7 +122,9 @@ fn print_table(list: &[serde_json::Value]) {
     for i in list {
         let load = i["load"]
             .as_object()
-            .map(|o| o.iter().filter(|(_, v)| !v.is_object()).map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "))
+            .map(|o| {
+                o.iter().filter(|(_, v)| !v.is_object()).map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+            })
             .unwrap_or_default();
         println!(
             "{:<10} {:<14} {:<22} {:<22} {:<12} {}",

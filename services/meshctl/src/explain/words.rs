@@ -348,7 +348,12 @@ pub fn findings(all: &[Attempt], t: &Timeline) -> Vec<Finding> {
     let mut out = Vec::new();
     for cause in [Cause::DecodeSteps, Cause::PrefillCompute] {
         let per = per_attempt(cause, all, t);
-        for a in all.iter().zip(&per).filter(|(_, ns)| **ns > 0 && (**ns >= 50_000_000 || **ns * 20 >= total)).map(|(a, _)| a) {
+        for a in all
+            .iter()
+            .zip(&per)
+            .filter(|(_, ns)| **ns > 0 && (**ns >= 50_000_000 || **ns * 20 >= total))
+            .map(|(a, _)| a)
+        {
             let Some((j, worker, s)) = judged(cause, a).filter(|(j, _, _)| j.abnormal()) else { continue };
             out.push(Finding {
                 cause: cause.label(),
