@@ -5,8 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # libclang, the NIXL wheel (the tests expect NIXL to load), the official
 # OpenAI client (the gateway's client test), Prometheus (it scrapes a mesh
-# in a test) and kubernetes-validate (infra/k8s checked offline), if missing.
-bash scripts/deps.sh --apt prometheus openai==3.57.0 kubernetes-validate==1.37.0
+# in a test), kubernetes-validate (infra/k8s checked offline) and NVRTC
+# (the CUDA kernels compiled to PTX), if missing.
+bash scripts/deps.sh --apt prometheus openai==3.57.0 kubernetes-validate==1.37.0 nvidia-cuda-nvrtc-cu12==12.8.93
+# NVRTC from that wheel compiles every CUDA kernel (no GPU or driver needed);
+# here a missing NVRTC fails the kernel test instead of skipping it.
+PDMESH_NVRTC_LIB="$(python3 -c 'import os, nvidia.cuda_nvrtc as m; print(os.path.join(list(m.__path__)[0], "lib", "libnvrtc.so.12"))')"
+export PDMESH_NVRTC_LIB PDMESH_REQUIRE_NVRTC=1
 cargo build --release --workspace --all-targets
 ./target/release/pdmesh-engine fetch
 log=$(mktemp)

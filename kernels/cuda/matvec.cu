@@ -1,0 +1,77 @@
+// Quantized weights times Q8 activations for up to MAX_TOK tokens at once
+// (decode steps; longer batches are cut into chunks of MAX_TOK):
+// y[t * rows + r] = sum over blocks b of W[r][b] . X[t][b].
+//
+// One warp per output row; its lanes stride over the row's blocks, each
+// lane a whole block (8 dp4a per token). blockDim = (32, rows_per_cta):
+// `rows_per_cta` is the tuning knob (PDMESH_CUDA_ROWS_PER_CTA), reported
+// on kernel spans and in /statusz; grid.x = ceil(rows / rows_per_cta).
+
+#define MAX_TOK 8
+
+extern "C" __global__ void matvec_q4_1(const block_q4_1* w, const block_q8* x, float* y, int rows,
+                                       int blocks_per_row, int n_tok) {
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= rows) return;
+  const block_q4_1* wr = w + (size_t)r * blocks_per_row;
+  float acc[MAX_TOK];
+#pragma unroll
+  for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.0f;
+  for (int b = threadIdx.x; b < blocks_per_row; b += WARP) {
+    const block_q4_1 wb = wr[b];
+    const float d = h2f(wb.d), m = h2f(wb.m);
+    int q4[4];
+    memcpy(q4, wb.qs, sizeof(q4));
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+      if (t >= n_tok) break;
+      const block_q8* xb = x + (size_t)t * blocks_per_row + b;
+      const int* q8 = (const int*)xb->qs;
+      int s = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s = dp4a(q4[i] & 0x0F0F0F0F, q8[i], s);         // elements 4i..4i+3
+        s = dp4a((q4[i] >> 4) & 0x0F0F0F0F, q8[i + 4], s);  // elements 16+4i..
+      }
+      acc[t] += d * xb->d * (float)s + m * xb->s;
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < MAX_TOK; ++t) {
+    if (t >= n_tok) break;
+    const float v = warp_sum(acc[t]);
+    if (threadIdx.x == 0) y[(size_t)t * rows + r] = v;
+  }
+}
+
+extern "C" __global__ void matvec_q8_0(const block_q8_0* w, const block_q8* x, float* y, int rows,
+                                       int blocks_per_row, int n_tok) {
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= rows) return;
+  const block_q8_0* wr = w + (size_t)r * blocks_per_row;
+  float acc[MAX_TOK];
+#pragma unroll
+  for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.0f;
+  for (int b = threadIdx.x; b < blocks_per_row; b += WARP) {
+    const block_q8_0 wb = wr[b];
+    const float d = h2f(wb.d);
+    int qw[8];
+    memcpy(qw, wb.qs, sizeof(qw));
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+      if (t >= n_tok) break;
+      const block_q8* xb = x + (size_t)t * blocks_per_row + b;
+      const int* q8 = (const int*)xb->qs;
+      int s = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s = dp4a(qw[i], q8[i], s);
+      acc[t] += d * xb->d * (float)s;
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < MAX_TOK; ++t) {
+    if (t >= n_tok) break;
+    const float v = warp_sum(acc[t]);
+    if (threadIdx.x == 0) y[(size_t)t * rows + r] = v;
+  }
+}
