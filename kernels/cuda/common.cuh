@@ -28,6 +28,27 @@ struct block_q8 {     // activations: x ~ d * q, s = d * sum(q). 40 bytes.
   signed char qs[QK];
 };
 
+#ifdef PDMESH_HOST
+// The host harness (kernels/cuda/host) runs kernels without warp
+// intrinsics on the CPU: the same helpers in plain C++.
+__device__ __forceinline__ float h2f(f16_bits h) {
+  _Float16 v;
+  memcpy(&v, &h, 2);
+  return (float)v;
+}
+
+__device__ __forceinline__ f16_bits f2h(float f) {
+  const _Float16 v = (_Float16)f;
+  f16_bits h;
+  memcpy(&h, &v, 2);
+  return h;
+}
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+  return c;
+}
+#else
 // f16 through PTX conversions (round to nearest even), as the CPU's `half` crate.
 __device__ __forceinline__ float h2f(f16_bits h) {
   float f;
@@ -41,8 +62,6 @@ __device__ __forceinline__ f16_bits f2h(float f) {
   return h;
 }
 
-__device__ __forceinline__ float round_f16(float x) { return h2f(f2h(x)); }
-
 // Four int8 products summed into c (sm_61 and up).
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
   int r;
@@ -50,6 +69,36 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
   return r;
 }
 
+#endif
+
+__device__ __forceinline__ float round_f16(float x) { return h2f(f2h(x)); }
+
+// One Q4_1 weight block against one Q8 activation block (matvec's inner step).
+__device__ __forceinline__ float block_dot_q4_1(const block_q4_1& w, const block_q8* x) {
+  int q4[4];
+  memcpy(q4, w.qs, sizeof(q4));
+  const int* q8 = (const int*)x->qs;
+  int s = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    s = dp4a(q4[i] & 0x0F0F0F0F, q8[i], s);             // elements 4i..4i+3
+    s = dp4a((q4[i] >> 4) & 0x0F0F0F0F, q8[i + 4], s);  // elements 16+4i..
+  }
+  return h2f(w.d) * x->d * (float)s + h2f(w.m) * x->s;
+}
+
+// One Q8_0 weight block against one Q8 activation block.
+__device__ __forceinline__ float block_dot_q8_0(const block_q8_0& w, const block_q8* x) {
+  int qw[8];
+  memcpy(qw, w.qs, sizeof(qw));
+  const int* q8 = (const int*)x->qs;
+  int s = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s = dp4a(qw[i], q8[i], s);
+  return h2f(w.d) * x->d * (float)s;
+}
+
+#ifndef PDMESH_HOST
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -89,3 +138,4 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   v = lane < warps ? scratch[lane] : -INF_F32;
   return warp_max(v);
 }
+#endif  // PDMESH_HOST

@@ -19,21 +19,10 @@ extern "C" __global__ void matvec_q4_1(const block_q4_1* w, const block_q8* x, f
   for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.0f;
   for (int b = threadIdx.x; b < blocks_per_row; b += WARP) {
     const block_q4_1 wb = wr[b];
-    const float d = h2f(wb.d), m = h2f(wb.m);
-    int q4[4];
-    memcpy(q4, wb.qs, sizeof(q4));
 #pragma unroll
     for (int t = 0; t < MAX_TOK; ++t) {
       if (t >= n_tok) break;
-      const block_q8* xb = x + (size_t)t * blocks_per_row + b;
-      const int* q8 = (const int*)xb->qs;
-      int s = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        s = dp4a(q4[i] & 0x0F0F0F0F, q8[i], s);         // elements 4i..4i+3
-        s = dp4a((q4[i] >> 4) & 0x0F0F0F0F, q8[i + 4], s);  // elements 16+4i..
-      }
-      acc[t] += d * xb->d * (float)s + m * xb->s;
+      acc[t] += block_dot_q4_1(wb, x + (size_t)t * blocks_per_row + b);
     }
   }
 #pragma unroll
@@ -54,18 +43,10 @@ extern "C" __global__ void matvec_q8_0(const block_q8_0* w, const block_q8* x, f
   for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.0f;
   for (int b = threadIdx.x; b < blocks_per_row; b += WARP) {
     const block_q8_0 wb = wr[b];
-    const float d = h2f(wb.d);
-    int qw[8];
-    memcpy(qw, wb.qs, sizeof(qw));
 #pragma unroll
     for (int t = 0; t < MAX_TOK; ++t) {
       if (t >= n_tok) break;
-      const block_q8* xb = x + (size_t)t * blocks_per_row + b;
-      const int* q8 = (const int*)xb->qs;
-      int s = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s = dp4a(qw[i], q8[i], s);
-      acc[t] += d * xb->d * (float)s;
+      acc[t] += block_dot_q8_0(wb, x + (size_t)t * blocks_per_row + b);
     }
   }
 #pragma unroll
