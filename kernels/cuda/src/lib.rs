@@ -9,6 +9,8 @@
 //! Point `PDMESH_NVRTC_LIB` at that file, or put its folder on
 //! `LD_LIBRARY_PATH`.
 
+pub mod gpu;
+
 use std::sync::OnceLock;
 
 pub use cudarc::nvrtc::Ptx;
