@@ -21,7 +21,8 @@ pub struct DecodePoint {
 
 #[derive(Debug, Serialize)]
 pub struct BenchReport {
-    pub backend: &'static str,
+    /// The CPU kernels' instruction set, or the GPU that ran the forward pass.
+    pub backend: String,
     pub threads: usize,
     pub weights_mb: f64,
     pub prefill_tokens: usize,
@@ -115,7 +116,7 @@ pub fn run(
         });
     }
     Ok(BenchReport {
-        backend: engine.model.backend.name(),
+        backend: if engine.on_gpu() { engine.backend_note.clone() } else { engine.model.backend.name().to_string() },
         threads: engine.threads(),
         weights_mb: engine.model.weight_bytes() as f64 / 1e6,
         prefill_tokens: prefill_len,

@@ -11,6 +11,7 @@ use pdmesh_prefix::BlockHash;
 use crate::blocks::{PrefixConfig, Reuse};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvBlob, KvCache, KvLayout};
+use crate::model::cuda::CudaModel;
 use crate::model::{BatchItem, Model, Scratch, StepOptions, SumOrder};
 use crate::sampler::{sample, SamplingParams};
 
@@ -38,6 +39,21 @@ pub struct EngineOptions {
     /// the same bits (greedy tokens can differ at near-ties). Without it,
     /// only prompt positions computed as a cold prefill would are cached.
     pub cache_generated: bool,
+    /// Where the forward pass runs.
+    pub backend: ComputeBackend,
+}
+
+/// Where the forward pass runs (`--backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeBackend {
+    /// The CPU kernels (pdmesh-kernels).
+    #[default]
+    Cpu,
+    /// GPU 0 (CUDA_VISIBLE_DEVICES chooses it); an error when there is none.
+    Cuda,
+    /// CUDA where a GPU and its driver are found, else the CPU.
+    Auto,
 }
 
 impl Default for EngineOptions {
@@ -49,6 +65,7 @@ impl Default for EngineOptions {
             prefill_chunk: 512,
             prefix_cache_blocks: 0,
             cache_generated: false,
+            backend: ComputeBackend::Cpu,
         }
     }
 }
@@ -163,9 +180,37 @@ impl Sequence {
     }
 }
 
+/// The GPU for `options.backend`, and a line saying where the forward pass runs.
+fn open_backend(model: &Model, layout: KvLayout, options: &EngineOptions) -> Result<(Option<Box<CudaModel>>, String)> {
+    match options.backend {
+        ComputeBackend::Cpu => Ok((None, "cpu".into())),
+        ComputeBackend::Cuda => {
+            let g = CudaModel::load(model, layout, options.kv_blocks, 0)?;
+            let note =
+                format!("cuda: {} (compute {}.{})", g.gpu.name, g.gpu.compute_capability.0, g.gpu.compute_capability.1);
+            Ok((Some(Box::new(g)), note))
+        }
+        ComputeBackend::Auto => match CudaModel::load(model, layout, options.kv_blocks, 0) {
+            Ok(g) => {
+                let note = format!(
+                    "cuda: {} (compute {}.{}; chosen by auto)",
+                    g.gpu.name, g.gpu.compute_capability.0, g.gpu.compute_capability.1
+                );
+                Ok((Some(Box::new(g)), note))
+            }
+            Err(e) => Ok((None, format!("cpu (auto: {e})"))),
+        },
+    }
+}
+
 pub struct Engine {
     pub model: Model,
     pub kv: KvCache,
+    /// The GPU running the forward pass (`--backend cuda|auto`); its VRAM
+    /// arena mirrors `kv`'s layout, and `kv`'s host arena stages transfers.
+    cuda: Option<Box<CudaModel>>,
+    /// Where the forward pass runs, and why (for /statusz and logs).
+    pub backend_note: String,
     pool: Pool,
     scratch: Scratch,
     seqs: HashMap<SeqId, Sequence>,
@@ -192,7 +237,10 @@ impl Engine {
             seed: pdmesh_prefix::seed(&model.identity(), options.block_size),
             block_size: options.block_size,
         };
+        let (cuda, backend_note) = open_backend(&model, layout, &options)?;
         Ok(Engine {
+            cuda,
+            backend_note,
             kv: KvCache::with_prefix(layout, options.kv_blocks, Some(prefix)),
             pool: Pool::new(options.threads),
             scratch: Scratch::default(),
@@ -205,6 +253,11 @@ impl Engine {
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// Whether the forward pass runs on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        self.cuda.is_some()
     }
 
     /// Kernel thread ids of the compute pool's workers (the thread that
@@ -261,6 +314,9 @@ impl Engine {
         if let Some((src, n)) = partial {
             if let Ok(f) = &fresh {
                 self.kv.copy_positions(src, f[0], n);
+                if let Some(g) = &mut self.cuda {
+                    g.copy_positions(src, f[0], n)?;
+                }
             }
             self.kv.release(&[src]);
         }
@@ -403,7 +459,10 @@ impl Engine {
                 BatchItem { tokens, start_pos: *start, blocks: &s.blocks, logits: *last, order: *order }
             })
             .collect();
-        let logits = self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch, opts)?;
+        let logits = match &mut self.cuda {
+            Some(g) => g.forward(&self.model, &items)?,
+            None => self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch, opts)?,
+        };
         let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
         let mut li = 0;
@@ -455,6 +514,12 @@ impl Engine {
             return Err(EngineError::BadToken(token));
         }
         s.n_cached = s.n_prompt;
+        // The prompt's KV arrived in the host arena (imported, or written
+        // there by NIXL): the GPU takes its copy.
+        if let Some(g) = &mut self.cuda {
+            let n = self.kv.layout.blocks_for(s.n_prompt);
+            g.upload(&self.kv, &s.blocks[..n])?;
+        }
         // The imported prompt joins the prefix cache (where the prefill
         // worker computed it as a cold prefill would).
         if let Some((seed, bs)) = self.kv.blocks.hashing() {
@@ -521,7 +586,10 @@ impl Engine {
     /// The KV of a sequence's cached positions, for moving it elsewhere.
     pub fn export_kv(&self, id: SeqId) -> Result<KvBlob> {
         let s = self.seq(id)?;
-        self.kv.export(&s.blocks, s.n_cached)
+        match &self.cuda {
+            Some(g) => g.export(&s.blocks, s.n_cached),
+            None => self.kv.export(&s.blocks, s.n_cached),
+        }
     }
 
     /// Admit a sequence whose prompt was prefilled elsewhere: `tokens` is the
@@ -547,10 +615,15 @@ impl Engine {
         let prompt = tokens[..prompt_len].to_vec();
         let id = self.reserve_sequence(prompt, params)?;
         let s = self.seqs.get_mut(&id).expect("just added");
-        if let Err(e) = self.kv.import(&s.blocks, blob) {
+        let imported = self.kv.import(&s.blocks, blob).and_then(|()| match &mut self.cuda {
+            Some(g) => g.upload(&self.kv, &s.blocks[..self.kv.layout.blocks_for(blob.n_tokens)]),
+            None => Ok(()),
+        });
+        if let Err(e) = imported {
             self.release(id)?;
             return Err(e);
         }
+        let s = self.seqs.get_mut(&id).expect("just added");
         s.tokens = tokens;
         s.n_cached = blob.n_tokens;
         Ok(id)

@@ -135,6 +135,13 @@ impl KvCache {
         (self.data.as_ptr() as usize, self.data.len() * 2)
     }
 
+    /// Block `b`'s values as f16 bits (a GPU arena mirrors them).
+    pub fn block_bits(&self, b: u32) -> &[u16] {
+        let r = self.block_range(b);
+        // SAFETY: f16 is a transparent u16.
+        unsafe { std::slice::from_raw_parts(self.data[r].as_ptr().cast::<u16>(), self.layout.block_elems()) }
+    }
+
     pub fn total(&self) -> usize {
         self.blocks.total()
     }

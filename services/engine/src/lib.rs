@@ -34,7 +34,7 @@ pub mod sampler;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
-pub use engine::{Engine, EngineOptions, FinishReason, SeqId, TokenEvent};
+pub use engine::{ComputeBackend, Engine, EngineOptions, FinishReason, SeqId, TokenEvent};
 pub use error::EngineError;
 pub use kv::{KvBlob, KvCache, KvLayout};
 pub use model::Model;

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use pdmesh_engine::{bench, ChatMessage, Engine, EngineError, EngineOptions, Model, SamplingParams, Tokenizer};
+use pdmesh_engine::{
+    bench, ChatMessage, ComputeBackend, Engine, EngineError, EngineOptions, Model, SamplingParams, Tokenizer,
+};
 
 #[derive(Parser, Debug)]
 #[command(name = "pdmesh-engine", version, about = "Run the pdmesh engine alone: tokenize, generate, benchmark")]
@@ -39,6 +41,9 @@ struct EngineArgs {
     /// Debugging only: write every layer's intermediate tensors of each step into this folder.
     #[arg(long, env = "PDMESH_DEBUG_DUMP_DIR")]
     debug_dump_dir: Option<PathBuf>,
+    /// Where the forward pass runs: cpu, cuda (GPU 0; an error without one) or auto (CUDA where found).
+    #[arg(long, env = "PDMESH_BACKEND", value_enum, default_value = "cpu")]
+    backend: ComputeBackend,
 }
 
 #[derive(Subcommand, Debug)]
@@ -123,6 +128,7 @@ fn engine_options(e: &EngineArgs) -> EngineOptions {
         prefill_chunk: e.prefill_chunk,
         prefix_cache_blocks: 0,
         cache_generated: false,
+        backend: e.backend,
     }
 }
 

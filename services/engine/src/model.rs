@@ -24,6 +24,8 @@ use crate::error::{EngineError, Result};
 use crate::gguf::{Gguf, TensorType};
 use crate::kv::KvCache;
 
+pub mod cuda;
+
 /// A quantized matrix (rows = output features) living in the model file's
 /// memory map: weights are never copied, so resident memory holds them once.
 pub struct Weight {

@@ -63,6 +63,11 @@ pub struct EngineArgs {
     /// prefill is step 1).
     #[arg(long, env = "PDMESH_TRACE_KERNEL_STEPS", default_value = "off")]
     pub trace_kernel_steps: KernelSpans,
+    /// Where the forward pass runs: cpu, cuda (GPU 0, KV in VRAM staged
+    /// through the host arena for transfers; an error without a GPU) or auto
+    /// (CUDA where a GPU and driver are found).
+    #[arg(long, env = "PDMESH_BACKEND", value_enum, default_value = "cpu")]
+    pub backend: pdmesh_engine::ComputeBackend,
     /// Set by each worker from its own `--prefix-cache-blocks`.
     #[arg(skip)]
     pub prefix_cache_blocks: usize,
@@ -145,6 +150,7 @@ impl EngineArgs {
             prefill_chunk: self.prefill_chunk,
             prefix_cache_blocks: self.prefix_cache_blocks,
             cache_generated: self.cache_generated,
+            backend: self.backend,
         }
     }
 
