@@ -61,6 +61,8 @@ pub fn driver_present() -> bool {
 }
 
 pub struct Gpu {
+    /// The configuration of the last launch (kernel spans report it).
+    last: std::cell::Cell<Option<LaunchConfig>>,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub name: String,
@@ -120,11 +122,21 @@ impl Gpu {
             }
         }
         let stream = ctx.default_stream();
-        Ok(Gpu { ctx, stream, name, compute_capability: cc, knobs, funcs })
+        Ok(Gpu { last: std::cell::Cell::new(None), ctx, stream, name, compute_capability: cc, knobs, funcs })
     }
 
     fn f(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
+    }
+
+    /// The last launch's configuration (grid and block dimensions).
+    pub fn last_launch(&self) -> Option<LaunchConfig> {
+        self.last.get()
+    }
+
+    fn note(&self, cfg: LaunchConfig) -> LaunchConfig {
+        self.last.set(Some(cfg));
+        cfg
     }
 
     pub fn sync(&self) -> Result<(), String> {
@@ -164,7 +176,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(self.f(name));
         b.arg(table).arg(tokens).arg(out).arg(&n).arg(&c);
         // SAFETY: the kernel reads n_tok * cols values within the buffers' sizes.
-        unsafe { b.launch(grid(n_tok * cols, 256)) }.map(drop).map_err(err(name))
+        unsafe { b.launch(self.note(grid(n_tok * cols, 256))) }.map(drop).map_err(err(name))
     }
 
     /// RMSNorm of `rows` rows of `cols` values.
@@ -182,7 +194,7 @@ impl Gpu {
         b.arg(x).arg(w).arg(out).arg(&c).arg(&eps);
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: one CTA per row, reads and writes `cols` values of it.
-        unsafe { b.launch(cfg) }.map(drop).map_err(err("rms_norm"))
+        unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("rms_norm"))
     }
 
     /// `x` (a multiple of 32 values) into Q8 blocks (`Q8_BLOCK_BYTES` each).
@@ -197,7 +209,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         // SAFETY: one warp per block of 32 values, within both buffers.
-        unsafe { b.launch(cfg) }.map(drop).map_err(err("quantize_q8"))
+        unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("quantize_q8"))
     }
 
     /// `y[t][r] = W[r] . x[t]` for `n_tok` tokens (launched in chunks of
@@ -232,7 +244,7 @@ impl Gpu {
             let mut b = self.stream.launch_builder(self.f(name));
             b.arg(w).arg(&xs).arg(&mut ys).arg(&r).arg(&b_).arg(&n);
             // SAFETY: reads `n` tokens' blocks of x and writes `n` rows of y from their offsets.
-            unsafe { b.launch(cfg) }.map_err(err(name))?;
+            unsafe { b.launch(self.note(cfg)) }.map_err(err(name))?;
         }
         Ok(())
     }
@@ -253,7 +265,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(self.f("rope"));
         b.arg(x).arg(pos).arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&a[3]).arg(&base);
         // SAFETY: one thread per (row, head, pair) within x.
-        unsafe { b.launch(grid(n_rows * n_heads * dims / 2, 128)) }.map(drop).map_err(err("rope"))
+        unsafe { b.launch(self.note(grid(n_rows * n_heads * dims / 2, 128))) }.map(drop).map_err(err("rope"))
     }
 
     /// Keys and values of `n_rows` rows into the paged arena (f16 bits).
@@ -283,7 +295,9 @@ impl Gpu {
             b.arg(x);
         }
         // SAFETY: one thread per (row, kv head, dim); blocks named by row_block lie in the arena.
-        unsafe { b.launch(grid(n_rows * shape.n_kv_heads * shape.head_dim, 128)) }.map(drop).map_err(err("kv_write"))
+        unsafe { b.launch(self.note(grid(n_rows * shape.n_kv_heads * shape.head_dim, 128))) }
+            .map(drop)
+            .map_err(err("kv_write"))
     }
 
     /// Causal GQA attention of `n_rows` query rows over the paged arena.
@@ -319,7 +333,7 @@ impl Gpu {
             shared_mem_bytes: ((rows.max_ctx + shape.head_dim) * 4) as u32,
         };
         // SAFETY: each CTA reads positions 0..=pos of its row through its block table.
-        unsafe { b.launch(cfg) }.map(drop).map_err(err("attention"))
+        unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("attention"))
     }
 
     /// gate = silu(gate) * up.
@@ -328,7 +342,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(self.f("silu_mul"));
         b.arg(gate).arg(up).arg(&n_);
         // SAFETY: one thread per value.
-        unsafe { b.launch(grid(n, 256)) }.map(drop).map_err(err("silu_mul"))
+        unsafe { b.launch(self.note(grid(n, 256))) }.map(drop).map_err(err("silu_mul"))
     }
 
     /// x += y.
@@ -337,7 +351,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(self.f("add_into"));
         b.arg(x).arg(y).arg(&n_);
         // SAFETY: one thread per value.
-        unsafe { b.launch(grid(n, 256)) }.map(drop).map_err(err("add_into"))
+        unsafe { b.launch(self.note(grid(n, 256))) }.map(drop).map_err(err("add_into"))
     }
 
     /// The largest logit's index of each of `rows` rows.
@@ -353,7 +367,7 @@ impl Gpu {
         b.arg(logits).arg(&v).arg(out);
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: one CTA per row of `vocab` logits.
-        unsafe { b.launch(cfg) }.map(drop).map_err(err("argmax"))
+        unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("argmax"))
     }
 
     /// A token per row, drawn at `temperature` with the row's uniform `u`.
@@ -371,7 +385,7 @@ impl Gpu {
         b.arg(logits).arg(&v).arg(&temperature).arg(u).arg(out);
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: one CTA per row of `vocab` logits.
-        unsafe { b.launch(cfg) }.map(drop).map_err(err("sample_temperature"))
+        unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("sample_temperature"))
     }
 }
 

@@ -460,7 +460,7 @@ impl Engine {
             })
             .collect();
         let logits = match &mut self.cuda {
-            Some(g) => g.forward(&self.model, &items)?,
+            Some(g) => g.forward(&self.model, &items, opts)?,
             None => self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch, opts)?,
         };
         let vocab = self.model.config.vocab_size;

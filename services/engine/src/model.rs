@@ -197,6 +197,13 @@ pub mod kernel_attr {
     pub const TILE_B: &str = "knob.tile_b";
     pub const ROW_SLICE: &str = "knob.row_slice";
     pub const ATT_CHUNK: &str = "knob.att_chunk";
+    // The GPU path (model/cuda.rs).
+    /// Device time of the launch, from CUDA events around it.
+    pub const DEVICE_MS: &str = "kernel.device_ms";
+    /// The launch's grid and block dimensions, "x,y,z".
+    pub const GRID: &str = "kernel.grid";
+    pub const BLOCK: &str = "kernel.block";
+    pub const ROWS_PER_CTA: &str = "knob.rows_per_cta";
 }
 
 /// Runs one step's kernels, each under its own span when asked: name,

@@ -10,7 +10,7 @@
 
 use pdmesh_cuda::gpu::{AttentionRows, Gpu, Knobs, KvShape, WeightType, Q8_BLOCK_BYTES};
 
-use super::{BatchItem, Model, Weight};
+use super::{BatchItem, Model, StepOptions, Weight};
 use crate::error::{EngineError, Result};
 use crate::gguf::TensorType;
 use crate::kv::{KvBlob, KvCache, KvLayout};
@@ -182,88 +182,21 @@ impl CudaModel {
     }
 
     /// One step for `batch` (the CPU's `Model::forward`): the logits of
-    /// the rows that want them, `[row][vocab]`.
-    pub fn forward(&mut self, m: &Model, batch: &[BatchItem<'_>]) -> Result<Vec<f32>> {
+    /// the rows that want them, `[row][vocab]`. With `opts.kernel_spans`,
+    /// each launch gets a span with its grid, block, knobs and device time.
+    pub fn forward(&mut self, m: &Model, batch: &[BatchItem<'_>], opts: StepOptions) -> Result<Vec<f32>> {
         let n_tok: usize = batch.iter().map(|b| b.tokens.len()).sum();
         if n_tok == 0 {
             return Ok(Vec::new());
         }
         let rows = self.rows(batch)?;
         let mut s = self.scratch(m, n_tok)?;
-        let r = self.step(m, &rows, &mut s, n_tok);
+        let shape = self.shape();
+        let k = Launches { gpu: &self.gpu, on: opts.kernel_spans, rows: n_tok };
+        let head = (&self.tok_embd, self.output.as_ref(), &self.output_norm);
+        let r = step(&k, &self.layers, &mut self.arena, head, shape, m, &rows, &mut s);
         self.scratch = Some(s);
         r
-    }
-
-    fn step(&mut self, m: &Model, rows: &Rows, s: &mut Scratch, n_tok: usize) -> Result<Vec<f32>> {
-        let c = &m.config;
-        let (g, d) = (&self.gpu, c.n_embd);
-        g.embed(&self.tok_embd.data, self.tok_embd.ty, &rows.tokens, &mut s.x, n_tok, d).map_err(gpu_err)?;
-        for li in 0..self.layers.len() {
-            self.attention_block(m, rows, s, n_tok, li)?;
-            self.ffn_block(m, s, n_tok, li)?;
-        }
-        self.output_head(m, rows, s)
-    }
-
-    fn matvec(&self, w: &DevWeight, x: &CudaSlice<u8>, y: &mut CudaSlice<f32>, n_tok: usize) -> Result<()> {
-        self.gpu.matvec(&w.data, w.ty, x, y, w.rows, w.cols, n_tok).map_err(gpu_err)
-    }
-
-    fn attention_block(&mut self, m: &Model, rows: &Rows, s: &mut Scratch, n: usize, li: usize) -> Result<()> {
-        let c = &m.config;
-        let (d, hd) = (c.n_embd, c.head_dim);
-        let shape = self.shape();
-        let l = &self.layers[li];
-        let g = &self.gpu;
-        g.rms_norm(&s.x, &l.attn_norm, &mut s.xn, n, d, c.rms_eps).map_err(gpu_err)?;
-        g.quantize_q8(&s.xn, &mut s.qa, n * d).map_err(gpu_err)?;
-        self.matvec(&l.wq, &s.qa, &mut s.q, n)?;
-        self.matvec(&l.wk, &s.qa, &mut s.k, n)?;
-        self.matvec(&l.wv, &s.qa, &mut s.v, n)?;
-        g.rope(&mut s.q, &rows.pos, n, c.n_heads, hd, c.rope_dims, c.rope_base).map_err(gpu_err)?;
-        g.rope(&mut s.k, &rows.pos, n, c.n_kv_heads, hd, c.rope_dims, c.rope_base).map_err(gpu_err)?;
-        g.kv_write(&s.k, &s.v, &mut self.arena, &rows.block, &rows.slot, n, li, shape).map_err(gpu_err)?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        g.attention(&s.q, &mut s.att, &self.arena, &rows.att, c.n_heads, li, shape, scale).map_err(gpu_err)?;
-        g.quantize_q8(&s.att, &mut s.qa, n * d).map_err(gpu_err)?;
-        self.matvec(&l.wo, &s.qa, &mut s.proj, n)?;
-        g.add_into(&mut s.x, &s.proj, n * d).map_err(gpu_err)
-    }
-
-    fn ffn_block(&self, m: &Model, s: &mut Scratch, n: usize, li: usize) -> Result<()> {
-        let c = &m.config;
-        let (d, ff) = (c.n_embd, c.n_ff);
-        let l = &self.layers[li];
-        let g = &self.gpu;
-        g.rms_norm(&s.x, &l.ffn_norm, &mut s.xn, n, d, c.rms_eps).map_err(gpu_err)?;
-        g.quantize_q8(&s.xn, &mut s.qa, n * d).map_err(gpu_err)?;
-        self.matvec(&l.w_gate, &s.qa, &mut s.gate, n)?;
-        self.matvec(&l.w_up, &s.qa, &mut s.up, n)?;
-        g.silu_mul(&mut s.gate, &s.up, n * ff).map_err(gpu_err)?;
-        g.quantize_q8(&s.gate, &mut s.qa, n * ff).map_err(gpu_err)?;
-        self.matvec(&l.w_down, &s.qa, &mut s.proj, n)?;
-        g.add_into(&mut s.x, &s.proj, n * d).map_err(gpu_err)
-    }
-
-    /// The final norm and the output projection, for the rows that want logits.
-    fn output_head(&self, m: &Model, rows: &Rows, s: &mut Scratch) -> Result<Vec<f32>> {
-        let c = &m.config;
-        let (g, d, k) = (&self.gpu, c.n_embd, rows.logit_rows.len());
-        if k == 0 {
-            return Ok(Vec::new());
-        }
-        for (i, r) in rows.logit_rows.iter().enumerate() {
-            let src = s.x.slice(r * d..(r + 1) * d);
-            let mut dst = s.xn.slice_mut(i * d..(i + 1) * d);
-            g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| gpu_err(format!("gathering rows: {e:?}")))?;
-        }
-        g.rms_norm(&s.xn, &self.output_norm, &mut s.att, k, d, c.rms_eps).map_err(gpu_err)?;
-        g.quantize_q8(&s.att, &mut s.qa, k * d).map_err(gpu_err)?;
-        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let mut logits = g.zeros::<f32>(k * c.vocab_size).map_err(gpu_err)?;
-        self.matvec(head, &s.qa, &mut logits, k)?;
-        g.download(&logits).map_err(gpu_err)
     }
 
     /// The KV of `n_tokens` positions held in `blocks`, copied out of VRAM
@@ -328,4 +261,164 @@ impl CudaModel {
         }
         Ok(())
     }
+}
+
+/// Runs a step's launches, each under its own span when asked.
+struct Launches<'a> {
+    gpu: &'a Gpu,
+    on: bool,
+    /// Rows in the step (m).
+    rows: usize,
+}
+
+impl Launches<'_> {
+    /// Run `f` (one kernel, or a few launches of it) as `name` for `layer`
+    /// with outputs `n` and inputs `k` per row.
+    fn run(
+        &self,
+        name: &'static str,
+        layer: usize,
+        n: usize,
+        k: usize,
+        f: impl FnOnce(&Gpu) -> std::result::Result<(), String>,
+    ) -> Result<()> {
+        if !self.on {
+            return f(self.gpu).map_err(gpu_err);
+        }
+        use super::kernel_attr as ka;
+        let span = tracing::info_span!(
+            ka::SPAN,
+            otel.name = name,
+            { ka::BACKEND } = "cuda",
+            { ka::LAYER } = layer as i64,
+            { ka::M } = self.rows as i64,
+            { ka::N } = n as i64,
+            { ka::K } = k as i64,
+            { ka::ROWS_PER_CTA } = self.gpu.knobs.rows_per_cta as i64,
+            { ka::GRID } = tracing::field::Empty,
+            { ka::BLOCK } = tracing::field::Empty,
+            { ka::DEVICE_MS } = tracing::field::Empty,
+        )
+        .entered();
+        let timed = |e: cudarc::driver::DriverError| gpu_err(format!("timing {name}: {e:?}"));
+        let (a, b) = (self.gpu.ctx.new_event(None).map_err(timed)?, self.gpu.ctx.new_event(None).map_err(timed)?);
+        a.record(&self.gpu.stream).map_err(timed)?;
+        f(self.gpu).map_err(gpu_err)?;
+        b.record(&self.gpu.stream).map_err(timed)?;
+        b.synchronize().map_err(timed)?;
+        span.record(ka::DEVICE_MS, a.elapsed_ms(&b).map_err(timed)? as f64);
+        if let Some(c) = self.gpu.last_launch() {
+            let (g, b) = (c.grid_dim, c.block_dim);
+            span.record(ka::GRID, format!("{},{},{}", g.0, g.1, g.2));
+            span.record(ka::BLOCK, format!("{},{},{}", b.0, b.1, b.2));
+        }
+        Ok(())
+    }
+}
+
+fn matvec(
+    k: &Launches,
+    name: &'static str,
+    li: usize,
+    w: &DevWeight,
+    x: &CudaSlice<u8>,
+    y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    k.run(name, li, w.rows, w.cols, |g| g.matvec(&w.data, w.ty, x, y, w.rows, w.cols, k.rows))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn step(
+    k: &Launches,
+    layers: &[DevLayer],
+    arena: &mut CudaSlice<u16>,
+    head: (&DevWeight, Option<&DevWeight>, &CudaSlice<f32>),
+    shape: KvShape,
+    m: &Model,
+    rows: &Rows,
+    s: &mut Scratch,
+) -> Result<Vec<f32>> {
+    let (embd, output, output_norm) = head;
+    let (d, n) = (m.config.n_embd, k.rows);
+    k.run("embed", 0, d, d, |g| g.embed(&embd.data, embd.ty, &rows.tokens, &mut s.x, n, d))?;
+    for (li, l) in layers.iter().enumerate() {
+        attention_block(k, l, li, arena, shape, m, rows, s)?;
+        ffn_block(k, l, li, m, s)?;
+    }
+    output_head(k, embd, output, output_norm, m, rows, s)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_block(
+    k: &Launches,
+    l: &DevLayer,
+    li: usize,
+    arena: &mut CudaSlice<u16>,
+    shape: KvShape,
+    m: &Model,
+    rows: &Rows,
+    s: &mut Scratch,
+) -> Result<()> {
+    let c = &m.config;
+    let (d, hd, n, kvd) = (c.n_embd, c.head_dim, k.rows, c.kv_dim());
+    k.run("rms_norm", li, d, d, |g| g.rms_norm(&s.x, &l.attn_norm, &mut s.xn, n, d, c.rms_eps))?;
+    k.run("quantize_q8", li, d, d, |g| g.quantize_q8(&s.xn, &mut s.qa, n * d))?;
+    matvec(k, "matmul_q", li, &l.wq, &s.qa, &mut s.q)?;
+    matvec(k, "matmul_k", li, &l.wk, &s.qa, &mut s.k)?;
+    matvec(k, "matmul_v", li, &l.wv, &s.qa, &mut s.v)?;
+    k.run("rope", li, d + kvd, hd, |g| {
+        g.rope(&mut s.q, &rows.pos, n, c.n_heads, hd, c.rope_dims, c.rope_base)?;
+        g.rope(&mut s.k, &rows.pos, n, c.n_kv_heads, hd, c.rope_dims, c.rope_base)
+    })?;
+    k.run("kv_write", li, kvd, hd, |g| g.kv_write(&s.k, &s.v, arena, &rows.block, &rows.slot, n, li, shape))?;
+    let scale = 1.0 / (hd as f32).sqrt();
+    k.run("attention", li, d, rows.att.max_ctx, |g| {
+        g.attention(&s.q, &mut s.att, arena, &rows.att, c.n_heads, li, shape, scale)
+    })?;
+    k.run("quantize_q8", li, d, d, |g| g.quantize_q8(&s.att, &mut s.qa, n * d))?;
+    matvec(k, "matmul_o", li, &l.wo, &s.qa, &mut s.proj)?;
+    k.run("add", li, d, d, |g| g.add_into(&mut s.x, &s.proj, n * d))
+}
+
+fn ffn_block(k: &Launches, l: &DevLayer, li: usize, m: &Model, s: &mut Scratch) -> Result<()> {
+    let c = &m.config;
+    let (d, ff, n) = (c.n_embd, c.n_ff, k.rows);
+    k.run("rms_norm", li, d, d, |g| g.rms_norm(&s.x, &l.ffn_norm, &mut s.xn, n, d, c.rms_eps))?;
+    k.run("quantize_q8", li, d, d, |g| g.quantize_q8(&s.xn, &mut s.qa, n * d))?;
+    matvec(k, "matmul_gate", li, &l.w_gate, &s.qa, &mut s.gate)?;
+    matvec(k, "matmul_up", li, &l.w_up, &s.qa, &mut s.up)?;
+    k.run("silu_mul", li, ff, ff, |g| g.silu_mul(&mut s.gate, &s.up, n * ff))?;
+    k.run("quantize_q8", li, ff, ff, |g| g.quantize_q8(&s.gate, &mut s.qa, n * ff))?;
+    matvec(k, "matmul_down", li, &l.w_down, &s.qa, &mut s.proj)?;
+    k.run("add", li, d, d, |g| g.add_into(&mut s.x, &s.proj, n * d))
+}
+
+/// The final norm and the output projection, for the rows that want logits.
+fn output_head(
+    k: &Launches,
+    embd: &DevWeight,
+    output: Option<&DevWeight>,
+    output_norm: &CudaSlice<f32>,
+    m: &Model,
+    rows: &Rows,
+    s: &mut Scratch,
+) -> Result<Vec<f32>> {
+    let c = &m.config;
+    let (g, d, n) = (k.gpu, c.n_embd, rows.logit_rows.len());
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    for (i, r) in rows.logit_rows.iter().enumerate() {
+        let src = s.x.slice(r * d..(r + 1) * d);
+        let mut dst = s.xn.slice_mut(i * d..(i + 1) * d);
+        g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| gpu_err(format!("gathering rows: {e:?}")))?;
+    }
+    let layer = m.layers.len();
+    let head_k = Launches { rows: n, ..*k };
+    head_k.run("rms_norm", layer, d, d, |g| g.rms_norm(&s.xn, output_norm, &mut s.att, n, d, c.rms_eps))?;
+    head_k.run("quantize_q8", layer, d, d, |g| g.quantize_q8(&s.att, &mut s.qa, n * d))?;
+    let head = output.unwrap_or(embd);
+    let mut logits = g.zeros::<f32>(n * c.vocab_size).map_err(gpu_err)?;
+    matvec(&head_k, "matmul_lm_head", layer, head, &s.qa, &mut logits)?;
+    g.download(&logits).map_err(gpu_err)
 }
