@@ -121,7 +121,12 @@ impl Gpu {
                 funcs.insert(k, module.load_function(k).map_err(err(k))?);
             }
         }
-        let stream = ctx.default_stream();
+        // One stream does all the work, in order, so cudarc need not track
+        // buffers with events (which would also break graph capture); and
+        // not the legacy default stream, which cannot be captured.
+        // SAFETY: every buffer of this Gpu is used on `stream` alone.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(err("creating a stream"))?;
         Ok(Gpu { last: std::cell::Cell::new(None), ctx, stream, name, compute_capability: cc, knobs, funcs })
     }
 
@@ -137,6 +142,19 @@ impl Gpu {
     fn note(&self, cfg: LaunchConfig) -> LaunchConfig {
         self.last.set(Some(cfg));
         cfg
+    }
+
+    /// Record the launches `f` makes into a graph that replays them (with
+    /// the same buffers; write new inputs into those buffers before each replay).
+    pub fn capture(&self, f: impl FnOnce() -> Result<(), String>) -> Result<cudarc::driver::CudaGraph, String> {
+        use cudarc::driver::sys;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(err("starting a graph capture"))?;
+        let recorded = f();
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(err("ending a graph capture"));
+        recorded?;
+        graph?.ok_or_else(|| "the graph capture recorded nothing".to_string())
     }
 
     pub fn sync(&self) -> Result<(), String> {

@@ -260,6 +260,14 @@ impl Engine {
         self.cuda.is_some()
     }
 
+    /// On a GPU: replay decode steps from CUDA graphs (the default; also
+    /// `PDMESH_CUDA_GRAPHS=0`), or launch every kernel. No effect on the CPU.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        if let Some(g) = &mut self.cuda {
+            g.set_graphs(on);
+        }
+    }
+
     /// Kernel thread ids of the compute pool's workers (the thread that
     /// calls `forward_*` is the pool's other member).
     pub fn pool_thread_ids(&self) -> Vec<u32> {

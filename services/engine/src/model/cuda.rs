@@ -8,6 +8,8 @@
 //! Not yet here: CUDA graphs for the decode step, and registering the VRAM
 //! arena with NIXL (transfers go through host memory).
 
+use std::collections::HashMap;
+
 use pdmesh_cuda::gpu::{AttentionRows, Gpu, Knobs, KvShape, WeightType, Q8_BLOCK_BYTES};
 
 use super::{BatchItem, Model, StepOptions, Weight};
@@ -63,9 +65,34 @@ pub struct CudaModel {
     arena: CudaSlice<u16>,
     layout: KvLayout,
     scratch: Option<Scratch>,
+    /// Decode steps replayed from a CUDA graph, by rows in the step.
+    graphs: HashMap<usize, DecodeGraph>,
+    /// `PDMESH_CUDA_GRAPHS=0` turns graphs off (default on).
+    use_graphs: bool,
+    /// Positions of the model's context (graph steps size attention for it).
+    context: usize,
 }
 
-/// Per-step row tables, uploaded once per step.
+/// A decode step of a fixed number of rows, captured once and replayed:
+/// each replay writes the step's rows into `rows`' buffers first.
+struct DecodeGraph {
+    rows: Rows,
+    logits: CudaSlice<f32>,
+    graph: Graph,
+}
+
+/// A captured graph that may move to another thread with its engine.
+struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: CUDA graphs must not be used from two threads at once; the engine
+// owns its graphs and uses them only through `&mut self`, so at most one
+// thread touches one at a time, whichever thread that is.
+unsafe impl Send for Graph {}
+
+/// Graph steps take at most this many rows (larger decode batches run eagerly).
+const MAX_GRAPH_ROWS: usize = 64;
+
+/// Per-step row tables on the GPU.
 struct Rows {
     tokens: CudaSlice<i32>,
     pos: CudaSlice<i32>,
@@ -74,6 +101,90 @@ struct Rows {
     att: AttentionRows,
     /// Rows whose logits are wanted.
     logit_rows: Vec<usize>,
+}
+
+/// A step's rows on the host: token, position, KV block and slot of each,
+/// and the block tables attention reads.
+struct RowData {
+    tokens: Vec<i32>,
+    pos: Vec<i32>,
+    block: Vec<i32>,
+    slot: Vec<i32>,
+    starts: Vec<i32>,
+    tables: Vec<i32>,
+    logit_rows: Vec<usize>,
+    max_ctx: usize,
+}
+
+impl RowData {
+    /// With `stride`, row r's table starts at `r * stride` (zero-padded):
+    /// a fixed layout for graph steps, whose items are one row each.
+    fn of(batch: &[BatchItem<'_>], block_size: usize, stride: Option<usize>) -> RowData {
+        let mut d = RowData {
+            tokens: Vec::new(),
+            pos: Vec::new(),
+            block: Vec::new(),
+            slot: Vec::new(),
+            starts: Vec::new(),
+            tables: Vec::new(),
+            logit_rows: Vec::new(),
+            max_ctx: 0,
+        };
+        for item in batch {
+            let start = d.tables.len() as i32;
+            d.tables.extend(item.blocks.iter().map(|b| *b as i32));
+            if let Some(w) = stride {
+                d.tables.resize(start as usize + w, 0);
+            }
+            for (i, t) in item.tokens.iter().enumerate() {
+                let p = item.start_pos + i;
+                d.tokens.push(*t as i32);
+                d.pos.push(p as i32);
+                d.block.push(item.blocks[p / block_size] as i32);
+                d.slot.push((p % block_size) as i32);
+                d.starts.push(start);
+                d.max_ctx = d.max_ctx.max(p + 1);
+            }
+            if item.logits {
+                d.logit_rows.push(d.tokens.len() - 1);
+            }
+        }
+        d
+    }
+}
+
+impl Rows {
+    fn upload(g: &Gpu, d: &RowData, max_ctx: usize) -> Result<Rows> {
+        let up = |v: &[i32]| g.upload(v).map_err(gpu_err);
+        Ok(Rows {
+            att: AttentionRows {
+                n: d.tokens.len(),
+                pos: up(&d.pos)?,
+                table_start: up(&d.starts)?,
+                tables: up(&d.tables)?,
+                max_ctx,
+            },
+            tokens: up(&d.tokens)?,
+            pos: up(&d.pos)?,
+            block: up(&d.block)?,
+            slot: up(&d.slot)?,
+            logit_rows: d.logit_rows.clone(),
+        })
+    }
+
+    /// Write `d` (the same shape as at upload) into these buffers.
+    fn write(&mut self, g: &Gpu, d: &RowData) -> Result<()> {
+        let w = |v: &[i32], dst: &mut CudaSlice<i32>| {
+            g.stream.memcpy_htod(v, dst).map_err(|e| gpu_err(format!("writing a step's rows: {e:?}")))
+        };
+        w(&d.tokens, &mut self.tokens)?;
+        w(&d.pos, &mut self.pos)?;
+        w(&d.block, &mut self.block)?;
+        w(&d.slot, &mut self.slot)?;
+        w(&d.pos, &mut self.att.pos)?;
+        w(&d.starts, &mut self.att.table_start)?;
+        w(&d.tables, &mut self.att.tables)
+    }
 }
 
 impl CudaModel {
@@ -113,7 +224,27 @@ impl CudaModel {
         let output = model.output.as_ref().map(up).transpose()?;
         let output_norm = f(&model.output_norm)?;
         let arena = gpu.zeros::<u16>(kv_blocks * layout.block_elems()).map_err(gpu_err)?;
-        Ok(CudaModel { gpu, layers, tok_embd, output, output_norm, arena, layout, scratch: None })
+        let use_graphs = std::env::var("PDMESH_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let context = model.config.context_length;
+        Ok(CudaModel {
+            gpu,
+            layers,
+            tok_embd,
+            output,
+            output_norm,
+            arena,
+            layout,
+            scratch: None,
+            graphs: HashMap::new(),
+            use_graphs,
+            context,
+        })
+    }
+
+    /// Replay decode steps from CUDA graphs (the default), or launch every kernel.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+        self.graphs.clear();
     }
 
     fn shape(&self) -> KvShape {
@@ -125,8 +256,10 @@ impl CudaModel {
         if let Some(s) = self.scratch.take().filter(|s| s.cap >= n_tok) {
             return Ok(s);
         }
+        // Graphs hold the old buffers' addresses.
+        self.graphs.clear();
         let c = &m.config;
-        let cap = n_tok.next_power_of_two();
+        let cap = n_tok.next_power_of_two().max(MAX_GRAPH_ROWS);
         let z = |n: usize| self.gpu.zeros::<f32>(cap * n).map_err(gpu_err);
         Ok(Scratch {
             cap,
@@ -143,44 +276,6 @@ impl CudaModel {
         })
     }
 
-    fn rows(&self, batch: &[BatchItem<'_>]) -> Result<Rows> {
-        let bs = self.layout.block_size;
-        let (mut tokens, mut pos, mut block, mut slot) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut tables, mut starts, mut logit_rows) = (Vec::new(), Vec::new(), Vec::new());
-        let mut max_ctx = 0;
-        for item in batch {
-            let start = tables.len() as i32;
-            tables.extend(item.blocks.iter().map(|b| *b as i32));
-            for (i, t) in item.tokens.iter().enumerate() {
-                let p = item.start_pos + i;
-                tokens.push(*t as i32);
-                pos.push(p as i32);
-                block.push(item.blocks[p / bs] as i32);
-                slot.push((p % bs) as i32);
-                starts.push(start);
-                max_ctx = max_ctx.max(p + 1);
-            }
-            if item.logits {
-                logit_rows.push(tokens.len() - 1);
-            }
-        }
-        let up = |v: &[i32]| self.gpu.upload(v).map_err(gpu_err);
-        Ok(Rows {
-            att: AttentionRows {
-                n: tokens.len(),
-                pos: up(&pos)?,
-                table_start: up(&starts)?,
-                tables: up(&tables)?,
-                max_ctx,
-            },
-            tokens: up(&tokens)?,
-            pos: up(&pos)?,
-            block: up(&block)?,
-            slot: up(&slot)?,
-            logit_rows,
-        })
-    }
-
     /// One step for `batch` (the CPU's `Model::forward`): the logits of
     /// the rows that want them, `[row][vocab]`. With `opts.kernel_spans`,
     /// each launch gets a span with its grid, block, knobs and device time.
@@ -189,14 +284,59 @@ impl CudaModel {
         if n_tok == 0 {
             return Ok(Vec::new());
         }
-        let rows = self.rows(batch)?;
+        let decode_only = batch.iter().all(|b| b.tokens.len() == 1 && b.logits);
+        let fits = (self.context + m.config.head_dim) * 4 <= 48 * 1024;
+        if self.use_graphs && decode_only && fits && !opts.kernel_spans && n_tok <= MAX_GRAPH_ROWS {
+            return self.forward_graph(m, batch);
+        }
+        let data = RowData::of(batch, self.layout.block_size, None);
+        let rows = Rows::upload(&self.gpu, &data, data.max_ctx)?;
         let mut s = self.scratch(m, n_tok)?;
+        let mut logits = self.gpu.zeros::<f32>(rows.logit_rows.len() * m.config.vocab_size).map_err(gpu_err)?;
         let shape = self.shape();
         let k = Launches { gpu: &self.gpu, on: opts.kernel_spans, rows: n_tok };
         let head = (&self.tok_embd, self.output.as_ref(), &self.output_norm);
-        let r = step(&k, &self.layers, &mut self.arena, head, shape, m, &rows, &mut s);
+        let r = step(&k, &self.layers, &mut self.arena, head, shape, m, &rows, &mut s, &mut logits);
         self.scratch = Some(s);
-        r
+        r?;
+        self.gpu.download(&logits).map_err(gpu_err)
+    }
+
+    /// A decode step (one token per item) replayed from its graph, captured
+    /// the first time a step of this many rows runs.
+    fn forward_graph(&mut self, m: &Model, batch: &[BatchItem<'_>]) -> Result<Vec<f32>> {
+        let n = batch.len();
+        let stride = self.layout.blocks_for(self.context);
+        let data = RowData::of(batch, self.layout.block_size, Some(stride));
+        let mut s = self.scratch(m, n)?;
+        if !self.graphs.contains_key(&n) {
+            let captured = self.capture(m, &data, &mut s);
+            if let Err(e) = captured {
+                self.scratch = Some(s);
+                return Err(e);
+            }
+        }
+        self.scratch = Some(s);
+        let dg = self.graphs.get_mut(&n).expect("captured above");
+        dg.rows.write(&self.gpu, &data)?;
+        dg.graph.0.launch().map_err(|e| gpu_err(format!("replaying the decode graph: {e:?}")))?;
+        self.gpu.download(&dg.logits).map_err(gpu_err)
+    }
+
+    /// Capture the decode step for `data`'s rows (its launches record, they do not run).
+    fn capture(&mut self, m: &Model, data: &RowData, s: &mut Scratch) -> Result<()> {
+        let n = data.tokens.len();
+        let rows = Rows::upload(&self.gpu, data, self.context)?;
+        let mut logits = self.gpu.zeros::<f32>(n * m.config.vocab_size).map_err(gpu_err)?;
+        let shape = self.shape();
+        let CudaModel { gpu, layers, arena, tok_embd, output, output_norm, .. } = self;
+        let k = Launches { gpu, on: false, rows: n };
+        let head = (&*tok_embd, output.as_ref(), &*output_norm);
+        let graph = gpu
+            .capture(|| step(&k, layers, arena, head, shape, m, &rows, s, &mut logits).map_err(|e| e.to_string()))
+            .map_err(gpu_err)?;
+        self.graphs.insert(n, DecodeGraph { rows, logits, graph: Graph(graph) });
+        Ok(())
     }
 
     /// The KV of `n_tokens` positions held in `blocks`, copied out of VRAM
@@ -337,7 +477,8 @@ fn step(
     m: &Model,
     rows: &Rows,
     s: &mut Scratch,
-) -> Result<Vec<f32>> {
+    logits: &mut CudaSlice<f32>,
+) -> Result<()> {
     let (embd, output, output_norm) = head;
     let (d, n) = (m.config.n_embd, k.rows);
     k.run("embed", 0, d, d, |g| g.embed(&embd.data, embd.ty, &rows.tokens, &mut s.x, n, d))?;
@@ -345,7 +486,7 @@ fn step(
         attention_block(k, l, li, arena, shape, m, rows, s)?;
         ffn_block(k, l, li, m, s)?;
     }
-    output_head(k, embd, output, output_norm, m, rows, s)
+    output_head(k, embd, output, output_norm, m, rows, s, logits)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -393,7 +534,9 @@ fn ffn_block(k: &Launches, l: &DevLayer, li: usize, m: &Model, s: &mut Scratch) 
     k.run("add", li, d, d, |g| g.add_into(&mut s.x, &s.proj, n * d))
 }
 
-/// The final norm and the output projection, for the rows that want logits.
+/// The final norm and the output projection, for the rows that want
+/// logits, into `logits` (`[row][vocab]`).
+#[allow(clippy::too_many_arguments)]
 fn output_head(
     k: &Launches,
     embd: &DevWeight,
@@ -402,11 +545,12 @@ fn output_head(
     m: &Model,
     rows: &Rows,
     s: &mut Scratch,
-) -> Result<Vec<f32>> {
+    logits: &mut CudaSlice<f32>,
+) -> Result<()> {
     let c = &m.config;
     let (g, d, n) = (k.gpu, c.n_embd, rows.logit_rows.len());
     if n == 0 {
-        return Ok(Vec::new());
+        return Ok(());
     }
     for (i, r) in rows.logit_rows.iter().enumerate() {
         let src = s.x.slice(r * d..(r + 1) * d);
@@ -417,8 +561,5 @@ fn output_head(
     let head_k = Launches { rows: n, ..*k };
     head_k.run("rms_norm", layer, d, d, |g| g.rms_norm(&s.xn, output_norm, &mut s.att, n, d, c.rms_eps))?;
     head_k.run("quantize_q8", layer, d, d, |g| g.quantize_q8(&s.att, &mut s.qa, n * d))?;
-    let head = output.unwrap_or(embd);
-    let mut logits = g.zeros::<f32>(n * c.vocab_size).map_err(gpu_err)?;
-    matvec(&head_k, "matmul_lm_head", layer, head, &s.qa, &mut logits)?;
-    g.download(&logits).map_err(gpu_err)
+    matvec(&head_k, "matmul_lm_head", layer, output.unwrap_or(embd), &s.qa, logits)
 }
