@@ -34,6 +34,8 @@ pub struct AdminState {
     metrics: MetricsFn,
     service: Arc<str>,
     config: Arc<serde_json::Value>,
+    /// Facts learnt after start-up (e.g. which device the engine chose), under `runtime`.
+    runtime: Arc<std::sync::Mutex<serde_json::Map<String, serde_json::Value>>>,
 }
 
 impl AdminState {
@@ -61,6 +63,7 @@ impl AdminState {
             metrics,
             service: service.into(),
             config: Arc::new(config),
+            runtime: Default::default(),
         }
     }
 
@@ -72,6 +75,11 @@ impl AdminState {
     /// The effective configuration given to [`AdminState::new`].
     pub fn config(&self) -> &serde_json::Value {
         &self.config
+    }
+
+    /// Show `value` under `runtime.<key>` in /statusz from now on.
+    pub fn note(&self, key: &str, value: serde_json::Value) {
+        self.runtime.lock().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), value);
     }
 
     pub fn set_ready(&self, ready: bool) {
@@ -128,5 +136,6 @@ async fn set_fault(axum::extract::Path((name, value)): axum::extract::Path<(Stri
 async fn statusz(axum::extract::State(s): axum::extract::State<AdminState>) -> impl IntoResponse {
     let mut v = (*s.statusz).clone();
     v["ready"] = serde_json::Value::Bool(s.is_ready());
+    v["runtime"] = serde_json::Value::Object(s.runtime.lock().unwrap_or_else(|e| e.into_inner()).clone());
     ([(header::CONTENT_TYPE, "application/json")], v.to_string())
 }

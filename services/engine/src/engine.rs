@@ -260,6 +260,12 @@ impl Engine {
         self.cuda.is_some()
     }
 
+    /// On a GPU: the kernels' tuning knobs and whether decode steps replay
+    /// CUDA graphs (for /statusz).
+    pub fn cuda_knobs(&self) -> Option<serde_json::Value> {
+        self.cuda.as_ref().map(|g| g.knobs())
+    }
+
     /// On a GPU: replay decode steps from CUDA graphs (the default; also
     /// `PDMESH_CUDA_GRAPHS=0`), or launch every kernel. No effect on the CPU.
     pub fn set_cuda_graphs(&mut self, on: bool) {

@@ -214,6 +214,14 @@ async fn explain_names_planted_causes_and_invents_none() {
     ]);
     let gw = mesh.gateway.clone();
 
+    // /statusz says where each worker's forward pass runs.
+    for kind in ["prefill", "decode"] {
+        let i = mesh.instance(kind).await;
+        let (_, body) = pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/statusz");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["runtime"]["backend"], "cpu", "{kind}: {v}");
+    }
+
     // Warm up: the workers learn what their steps normally take.
     for _ in 0..4 {
         let (_, code, text) = attempt(Client::new(&gw), body(16)).await;

@@ -440,6 +440,10 @@ pub async fn boot<T: Send + Sync + 'static>(
         .await
         .map_err(|e| ServeError::Setup(e.to_string()))?
         .map_err(|e| ServeError::Setup(format!("engine: {e}")))?;
+    admin.state.note("backend", serde_json::json!(engine.backend_note));
+    if let Some(knobs) = engine.cuda_knobs() {
+        admin.state.note("cuda_knobs", knobs);
+    }
     Ok((admin, engine, slot))
 }
 

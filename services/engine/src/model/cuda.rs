@@ -241,6 +241,11 @@ impl CudaModel {
         })
     }
 
+    /// The knob values and graph setting, as /statusz shows them.
+    pub fn knobs(&self) -> serde_json::Value {
+        serde_json::json!({ "rows_per_cta": self.gpu.knobs.rows_per_cta, "graphs": self.use_graphs })
+    }
+
     /// Replay decode steps from CUDA graphs (the default), or launch every kernel.
     pub fn set_graphs(&mut self, on: bool) {
         self.use_graphs = on;
