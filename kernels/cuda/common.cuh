@@ -99,13 +99,8 @@ __device__ __forceinline__ float block_dot_q8_0(const block_q8_0& w, const block
 }
 
 #ifndef PDMESH_HOST
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ int warp_sum_int(int v) {
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -9,20 +9,22 @@
 
 #define MAX_TOK 8
 
-extern "C" __global__ void matvec_q4_1(const block_q4_1* w, const block_q8* x, float* y, int rows,
-                                       int blocks_per_row, int n_tok) {
+// One warp per output row over blocks of type B, dotted by `dot`.
+template <class B, float (*dot)(const B&, const block_q8*)>
+__device__ __forceinline__ void matvec(const B* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= rows) return;
-  const block_q4_1* wr = w + (size_t)r * blocks_per_row;
+  const B* wr = w + (size_t)r * blocks_per_row;
   float acc[MAX_TOK];
 #pragma unroll
   for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.0f;
   for (int b = threadIdx.x; b < blocks_per_row; b += WARP) {
-    const block_q4_1 wb = wr[b];
+    const B wb = wr[b];
 #pragma unroll
     for (int t = 0; t < MAX_TOK; ++t) {
       if (t >= n_tok) break;
-      acc[t] += block_dot_q4_1(wb, x + (size_t)t * blocks_per_row + b);
+      acc[t] += dot(wb, x + (size_t)t * blocks_per_row + b);
     }
   }
 #pragma unroll
@@ -33,26 +35,12 @@ extern "C" __global__ void matvec_q4_1(const block_q4_1* w, const block_q8* x, f
   }
 }
 
+extern "C" __global__ void matvec_q4_1(const block_q4_1* w, const block_q8* x, float* y, int rows,
+                                       int blocks_per_row, int n_tok) {
+  matvec<block_q4_1, block_dot_q4_1>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
 extern "C" __global__ void matvec_q8_0(const block_q8_0* w, const block_q8* x, float* y, int rows,
                                        int blocks_per_row, int n_tok) {
-  const int r = blockIdx.x * blockDim.y + threadIdx.y;
-  if (r >= rows) return;
-  const block_q8_0* wr = w + (size_t)r * blocks_per_row;
-  float acc[MAX_TOK];
-#pragma unroll
-  for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.0f;
-  for (int b = threadIdx.x; b < blocks_per_row; b += WARP) {
-    const block_q8_0 wb = wr[b];
-#pragma unroll
-    for (int t = 0; t < MAX_TOK; ++t) {
-      if (t >= n_tok) break;
-      acc[t] += block_dot_q8_0(wb, x + (size_t)t * blocks_per_row + b);
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < MAX_TOK; ++t) {
-    if (t >= n_tok) break;
-    const float v = warp_sum(acc[t]);
-    if (threadIdx.x == 0) y[(size_t)t * rows + r] = v;
-  }
+  matvec<block_q8_0, block_dot_q8_0>(w, x, y, rows, blocks_per_row, n_tok);
 }

@@ -12,7 +12,7 @@ extern "C" __global__ void quantize_q8(const float* x, block_q8* out, int n_bloc
   const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
   const int q = __float2int_rn(v * id);
   out[b].qs[lane] = (signed char)q;
-  const int sum = warp_sum_int(q);
+  const int sum = warp_sum(q);
   if (lane == 0) {
     out[b].d = round_f16(d);
     out[b].s = round_f16(d * (float)sum);

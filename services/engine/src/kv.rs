@@ -39,6 +39,14 @@ impl KvLayout {
     pub fn blocks_for(&self, n: usize) -> usize {
         n.div_ceil(self.block_size)
     }
+
+    /// The blocks of `blocks` that hold `n_tokens` positions (an error if too few).
+    pub fn covering<'b>(&self, blocks: &'b [u32], n_tokens: usize) -> Result<&'b [u32]> {
+        let need = self.blocks_for(n_tokens);
+        blocks.get(..need).ok_or_else(|| {
+            EngineError::KvMismatch(format!("{n_tokens} tokens need {need} blocks, sequence has {}", blocks.len()))
+        })
+    }
 }
 
 /// A sequence's KV in transferable form: the bytes of its blocks, in order,
@@ -260,15 +268,9 @@ impl KvCache {
 
     /// Bytes of a sequence's blocks covering `n_tokens` positions.
     pub fn export(&self, blocks: &[u32], n_tokens: usize) -> Result<KvBlob> {
-        let need = self.layout.blocks_for(n_tokens);
-        if blocks.len() < need {
-            return Err(EngineError::KvMismatch(format!(
-                "{n_tokens} tokens need {need} blocks, sequence has {}",
-                blocks.len()
-            )));
-        }
-        let mut bytes = Vec::with_capacity(need * self.layout.block_bytes());
-        for b in &blocks[..need] {
+        let blocks = self.layout.covering(blocks, n_tokens)?;
+        let mut bytes = Vec::with_capacity(blocks.len() * self.layout.block_bytes());
+        for b in blocks {
             bytes.extend_from_slice(f16_bytes(&self.data[self.block_range(*b)]));
         }
         Ok(KvBlob { layout: self.layout, n_tokens, bytes })

@@ -347,16 +347,10 @@ impl CudaModel {
     /// The KV of `n_tokens` positions held in `blocks`, copied out of VRAM
     /// (the same bytes `KvCache::export` gives on the CPU path).
     pub fn export(&self, blocks: &[u32], n_tokens: usize) -> Result<KvBlob> {
-        let need = self.layout.blocks_for(n_tokens);
-        if blocks.len() < need {
-            return Err(EngineError::KvMismatch(format!(
-                "{n_tokens} tokens need {need} blocks, sequence has {}",
-                blocks.len()
-            )));
-        }
+        let blocks = self.layout.covering(blocks, n_tokens)?;
         let e = self.layout.block_elems();
-        let mut bits = vec![0u16; need * e];
-        for (b, dst) in blocks[..need].iter().zip(bits.chunks_exact_mut(e)) {
+        let mut bits = vec![0u16; blocks.len() * e];
+        for (b, dst) in blocks.iter().zip(bits.chunks_exact_mut(e)) {
             let at = *b as usize * e..(*b as usize + 1) * e;
             self.gpu
                 .stream
