@@ -111,31 +111,36 @@ fn reference_matvec(
     ty: WeightType,
 ) -> (Vec<u8>, Vec<f32>) {
     let nb = cols / QK;
-    let mut want = vec![0f32; n_tok * rows];
     match ty {
         WeightType::Q4_1 => {
             let mut b = vec![BlockQ4_1::default(); rows * nb];
             quant::quantize_q4_1(w, &mut b);
-            for t in 0..n_tok {
-                for r in 0..rows {
-                    want[t * rows + r] =
-                        pdmesh_kernels::dot::scalar::dot_q4_1(&b[r * nb..(r + 1) * nb], [&xq[t * nb..(t + 1) * nb]])[0];
-                }
-            }
-            (bytes(&b), want)
+            (bytes(&b), products(&b, nb, xq, n_tok, pdmesh_kernels::dot::scalar::dot_q4_1::<1>))
         }
         WeightType::Q8_0 => {
             let mut b = vec![BlockQ8_0 { d: 0, qs: [0; QK] }; rows * nb];
             quant::quantize_q8_0(w, &mut b);
-            for t in 0..n_tok {
-                for r in 0..rows {
-                    want[t * rows + r] =
-                        pdmesh_kernels::dot::scalar::dot_q8_0(&b[r * nb..(r + 1) * nb], [&xq[t * nb..(t + 1) * nb]])[0];
-                }
-            }
-            (bytes(&b), want)
+            (bytes(&b), products(&b, nb, xq, n_tok, pdmesh_kernels::dot::scalar::dot_q8_0::<1>))
         }
     }
+}
+
+/// Every weight row (of `nb` blocks) dotted with every token's activations, `[token][row]`.
+fn products<B>(
+    w: &[B],
+    nb: usize,
+    xq: &[BlockQ8],
+    n_tok: usize,
+    dot: fn(&[B], [&[BlockQ8]; 1]) -> [f32; 1],
+) -> Vec<f32> {
+    let rows = w.len() / nb;
+    let mut out = vec![0f32; n_tok * rows];
+    for t in 0..n_tok {
+        for r in 0..rows {
+            out[t * rows + r] = dot(&w[r * nb..(r + 1) * nb], [&xq[t * nb..(t + 1) * nb]])[0];
+        }
+    }
+    out
 }
 
 #[test]
