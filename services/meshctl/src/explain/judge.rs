@@ -15,8 +15,10 @@ const MIN_RUNQ_MS: f64 = 20.0;
 /// and this long.
 const STARVED_UNJUDGED_SHARE: f64 = 0.5;
 const STARVED_UNJUDGED_MS: f64 = 100.0;
-/// Judged step time below this is too little to call slow.
-const MIN_JUDGED_MS: f64 = 20.0;
+/// Steps are slow only when they also took at least this much longer than
+/// their normal: a short request's steps a few ms slower cost nothing worth
+/// naming (a process that just woke up, a neighbour's burst).
+const MIN_EXCESS_MS: f64 = 100.0;
 
 #[derive(Debug, Clone)]
 pub struct Judgment {
@@ -68,7 +70,7 @@ impl Judgment {
     }
 
     pub fn slow(&self) -> bool {
-        self.judged_ms >= MIN_JUDGED_MS && self.factor().is_some_and(|f| f >= SLOW_FACTOR)
+        self.judged_ms - self.normal_ms >= MIN_EXCESS_MS && self.factor().is_some_and(|f| f >= SLOW_FACTOR)
     }
 
     pub fn starved(&self) -> bool {
@@ -170,6 +172,8 @@ mod tests {
         assert!(!normal.abnormal(), "{}", normal.words("decode-0", "decode_loop"));
         let a_little_cpu_wait = j(67.0, 49.0, 77.0, 21.0);
         assert!(a_little_cpu_wait.starved() && !a_little_cpu_wait.abnormal(), "1.4x is within normal");
+        let twice_but_brief = j(92.0, 46.0, 114.0, 47.0);
+        assert!(!twice_but_brief.abnormal(), "2x, but 46 ms in all, is not worth naming");
         assert!(normal.words("decode-0", "decode_loop").contains("within normal"));
         let starved = j(4500.0, 120.0, 1000.0, 3500.0);
         assert!(starved.slow() && starved.starved());
