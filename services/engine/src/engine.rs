@@ -182,22 +182,16 @@ impl Sequence {
 
 /// The GPU for `options.backend`, and a line saying where the forward pass runs.
 fn open_backend(model: &Model, layout: KvLayout, options: &EngineOptions) -> Result<(Option<Box<CudaModel>>, String)> {
+    let on_gpu = |g: CudaModel, why: &str| {
+        let (major, minor) = g.gpu.compute_capability;
+        let note = format!("cuda: {} (compute {major}.{minor}{why})", g.gpu.name);
+        (Some(Box::new(g)), note)
+    };
     match options.backend {
         ComputeBackend::Cpu => Ok((None, "cpu".into())),
-        ComputeBackend::Cuda => {
-            let g = CudaModel::load(model, layout, options.kv_blocks, 0)?;
-            let note =
-                format!("cuda: {} (compute {}.{})", g.gpu.name, g.gpu.compute_capability.0, g.gpu.compute_capability.1);
-            Ok((Some(Box::new(g)), note))
-        }
+        ComputeBackend::Cuda => Ok(on_gpu(CudaModel::load(model, layout, options.kv_blocks, 0)?, "")),
         ComputeBackend::Auto => match CudaModel::load(model, layout, options.kv_blocks, 0) {
-            Ok(g) => {
-                let note = format!(
-                    "cuda: {} (compute {}.{}; chosen by auto)",
-                    g.gpu.name, g.gpu.compute_capability.0, g.gpu.compute_capability.1
-                );
-                Ok((Some(Box::new(g)), note))
-            }
+            Ok(g) => Ok(on_gpu(g, "; chosen by auto")),
             Err(e) => Ok((None, format!("cpu (auto: {e})"))),
         },
     }

@@ -1,8 +1,6 @@
 //! `meshctl explain`, `meshctl collect` and `meshctl probe`: the tools for
 //! "why was this request slow?".
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -10,7 +8,7 @@ use std::time::{Duration, Instant};
 use pdmesh_meshctl::explain::explain;
 use pdmesh_meshctl::explain::judge::Judgment;
 use pdmesh_meshctl::sink::Sink;
-use pdmesh_meshctl::trace::{from_jaeger, parse_trace_id, read_otlp_file};
+use pdmesh_meshctl::trace::{from_jaeger, parse_trace_id, random_hex, read_otlp_file};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 use serde_json::{json, Value};
@@ -118,16 +116,6 @@ pub struct ProbeArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
-}
-
-/// Random hex digits (std's per-instance random hash keys; no extra crate).
-fn random_hex(bytes: usize) -> String {
-    let mut out = String::new();
-    while out.len() < 2 * bytes {
-        out += &format!("{:016x}", RandomState::new().build_hasher().finish());
-    }
-    out.truncate(2 * bytes);
-    out
 }
 
 /// Sequences running or waiting on a worker, from its load gauges.

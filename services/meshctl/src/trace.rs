@@ -433,6 +433,19 @@ pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
     Ok(out)
 }
 
+/// Random hex digits, `bytes` of them (std's per-instance random hash
+/// keys; no extra crate): fresh trace and span ids for a caller's own
+/// trace context (`meshctl probe`, tests).
+pub fn random_hex(bytes: usize) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut out = String::new();
+    while out.len() < 2 * bytes {
+        out += &format!("{:016x}", std::collections::hash_map::RandomState::new().build_hasher().finish());
+    }
+    out.truncate(2 * bytes);
+    out
+}
+
 /// Parse a hex trace id given on the command line.
 pub fn parse_trace_id(s: &str) -> Result<String, String> {
     let s = s.trim().to_ascii_lowercase();

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use pdmesh_meshctl::explain::{explain, Explanation};
 use pdmesh_meshctl::sink::Sink;
-use pdmesh_meshctl::trace::Span;
+use pdmesh_meshctl::trace::{random_hex, Span};
 
 /// One client, one trace: every attempt it makes carries `traceparent`.
 struct Client {
@@ -49,16 +49,6 @@ impl Client {
     fn wall_ms(&self) -> f64 {
         (self.last_byte.unwrap() - self.first_send.unwrap()).as_secs_f64() * 1e3
     }
-}
-
-fn random_hex(bytes: usize) -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut out = String::new();
-    while out.len() < 2 * bytes {
-        out += &format!("{:016x}", std::collections::hash_map::RandomState::new().build_hasher().finish());
-    }
-    out.truncate(2 * bytes);
-    out
 }
 
 /// Run one attempt on a blocking thread.
