@@ -10,6 +10,7 @@
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
+use pdmesh_engine::TransferArena;
 use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_worker::kv::{self, Nixl};
 use serde_json::json;
@@ -75,7 +76,7 @@ async fn target(a: &Args) -> Result<(), String> {
     let sink = std::sync::Arc::new(Sink { buf: std::sync::Mutex::new(vec![0u8; n]) });
     let addr = sink.buf.lock().map(|b| b.as_ptr() as usize).unwrap_or(0);
     let nixl = match kv::choose(&a.transport, a.cache.python())? {
-        Some(_) => Some(Nixl::start("kvbench-target", addr, n)?),
+        Some(_) => Some(Nixl::start("kvbench-target", host(addr, n))?),
         None => None,
     };
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
@@ -146,13 +147,13 @@ pub async fn run(a: Args) -> Result<(), String> {
     if !md_hex.is_empty() && kv::choose(&a.transport, a.cache.python())?.is_some() {
         let md: Vec<u8> =
             (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
-        let nixl = Nixl::start("kvbench-source", src.as_ptr() as usize, n)?;
+        let nixl = Nixl::start("kvbench-source", host(src.as_ptr() as usize, n))?;
         let ids: Vec<u32> = (0..blocks as u32).collect();
-        let (raddr, rlen) = (info["addr"].as_u64().unwrap_or(0) as usize, info["len"].as_u64().unwrap_or(0) as usize);
+        let far = host(info["addr"].as_u64().unwrap_or(0) as usize, info["len"].as_u64().unwrap_or(0) as usize);
         let mut t = Vec::new();
         for i in 0..a.rounds + 1 {
             let t0 = Instant::now();
-            nixl.write("target", &md, raddr, rlen, &ids, &ids, BLOCK_BYTES, "kvbench", Duration::from_secs(10))?;
+            nixl.write("target", &md, far, &ids, &ids, BLOCK_BYTES, "kvbench", Duration::from_secs(10))?;
             if i > 0 {
                 t.push(t0.elapsed().as_secs_f64()); // the first one also connects
             }
@@ -188,4 +189,9 @@ pub async fn run(a: Args) -> Result<(), String> {
     report.insert("rounds".into(), json!(a.rounds));
     println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(report)).unwrap_or_default());
     Ok(())
+}
+
+/// A buffer of host memory as NIXL registers it.
+fn host(addr: usize, len: usize) -> TransferArena {
+    TransferArena { addr, len, gpu: None }
 }

@@ -20,7 +20,7 @@ use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::telemetry::SpanExt;
 use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::model::StepOptions;
-use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, SamplingParams, SeqId, TokenEvent};
+use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, NextToken, SamplingParams, SeqId, TokenEvent};
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::decode::v1 as pb;
 use pdmesh_worker::prefix::SharedPrefix;
@@ -553,7 +553,7 @@ impl Loop {
         self.stats.step_seconds.observe_traced(cost.wall_ms / 1e3, trace_id.as_deref());
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
-            Ok(logits) => self.after_step(logits),
+            Ok(done) => self.after_step(done),
             Err(e) => {
                 // A step failure is a bug, not bad input: end every running
                 // request with it rather than retrying forever.
@@ -586,10 +586,10 @@ impl Loop {
 
     /// Sample each finished position: running sequences stream their
     /// token, local prefills whose prompt is in get their first one.
-    fn after_step(&mut self, logits: Vec<(SeqId, Vec<f32>)>) {
-        let mut events = HashMap::with_capacity(logits.len());
-        for (id, l) in logits {
-            events.insert(id, self.engine.accept(id, &l));
+    fn after_step(&mut self, done: Vec<(SeqId, NextToken)>) {
+        let mut events = HashMap::with_capacity(done.len());
+        for (id, next) in done {
+            events.insert(id, self.engine.accept(id, &next));
         }
         let mut running = std::mem::take(&mut self.running);
         running.retain_mut(|s| match events.remove(&s.id) {

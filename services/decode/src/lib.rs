@@ -75,8 +75,10 @@ pub async fn serve(
     let stop_progress = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(n) = &nixl {
         agent.nixl_metadata = n.metadata().map_err(ServeError::Setup)?;
-        agent.arena_addr = n.arena_addr as u64;
-        agent.arena_len = n.arena_len as u64;
+        agent.arena_addr = n.arena.addr as u64;
+        agent.arena_len = n.arena.len as u64;
+        agent.arena_in_vram = n.arena.gpu.is_some();
+        agent.arena_gpu = n.arena.gpu.unwrap_or(0) as u32;
         let st = batcher.stats.clone();
         pdmesh_worker::kv::spawn_progress(
             n.clone(),

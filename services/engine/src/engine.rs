@@ -13,7 +13,7 @@ use crate::error::{EngineError, Result};
 use crate::kv::{KvBlob, KvCache, KvLayout};
 use crate::model::cuda::CudaModel;
 use crate::model::{BatchItem, Model, Scratch, StepOptions, SumOrder};
-use crate::sampler::{sample, SamplingParams};
+use crate::sampler::{NextToken, SamplingParams};
 
 pub type SeqId = u64;
 
@@ -197,6 +197,15 @@ fn open_backend(model: &Model, layout: KvLayout, options: &EngineOptions) -> Res
     }
 }
 
+/// Memory other workers' KV transfers read or write (what NIXL registers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferArena {
+    pub addr: usize,
+    pub len: usize,
+    /// The GPU whose memory it is; `None` for host memory.
+    pub gpu: Option<u64>,
+}
+
 pub struct Engine {
     pub model: Model,
     pub kv: KvCache,
@@ -205,6 +214,11 @@ pub struct Engine {
     cuda: Option<Box<CudaModel>>,
     /// Where the forward pass runs, and why (for /statusz and logs).
     pub backend_note: String,
+    /// On a GPU: greedy rows are picked there (only ids come back).
+    device_sampling: bool,
+    /// On a GPU: other workers' KV transfers read and write the VRAM arena
+    /// (registered with NIXL), not the host arena.
+    transfers_in_vram: bool,
     pool: Pool,
     scratch: Scratch,
     seqs: HashMap<SeqId, Sequence>,
@@ -233,6 +247,8 @@ impl Engine {
         };
         let (cuda, backend_note) = open_backend(&model, layout, &options)?;
         Ok(Engine {
+            transfers_in_vram: cuda.is_some(),
+            device_sampling: true,
             cuda,
             backend_note,
             kv: KvCache::with_prefix(layout, options.kv_blocks, Some(prefix)),
@@ -266,6 +282,49 @@ impl Engine {
         if let Some(g) = &mut self.cuda {
             g.set_graphs(on);
         }
+    }
+
+    /// On a GPU: pick greedy rows' tokens on the device (the default), or
+    /// bring every row's logits back to the host. No effect on the CPU.
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.device_sampling = on;
+    }
+
+    /// The arena other workers' KV transfers use (NIXL registers it): the
+    /// VRAM arena on a GPU, unless [`Engine::stage_transfers_on_host`] was
+    /// called; else the host arena.
+    pub fn transfer_arena(&self) -> TransferArena {
+        match &self.cuda {
+            Some(g) if self.transfers_in_vram => {
+                let (addr, len) = g.arena();
+                TransferArena { addr, len, gpu: Some(g.gpu.ctx.ordinal() as u64) }
+            }
+            _ => {
+                let (addr, len) = self.kv.arena();
+                TransferArena { addr, len, gpu: None }
+            }
+        }
+    }
+
+    /// On a GPU whose VRAM the transfer library cannot register: transfers
+    /// go through the host arena, which [`Engine::stage_for_send`] fills
+    /// from VRAM on the sending side and [`Engine::attach_first_token`]
+    /// uploads from on the receiving side.
+    pub fn stage_transfers_on_host(&mut self) {
+        self.transfers_in_vram = false;
+    }
+
+    /// Before a transfer reads this sequence's prompt KV from the transfer
+    /// arena: on a GPU staging through the host, copy its blocks out of
+    /// VRAM. Nothing to do on the CPU, or when transfers read VRAM.
+    pub fn stage_for_send(&mut self, id: SeqId) -> Result<()> {
+        let Some(g) = &self.cuda else { return Ok(()) };
+        if self.transfers_in_vram {
+            return Ok(());
+        }
+        let s = self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))?;
+        let n = self.kv.layout.blocks_for(s.n_cached);
+        g.download_blocks(&mut self.kv, &s.blocks[..n])
     }
 
     /// Kernel thread ids of the compute pool's workers (the thread that
@@ -417,7 +476,7 @@ impl Engine {
         ids: &[SeqId],
         chunk: usize,
         opts: StepOptions,
-    ) -> Result<Vec<(SeqId, Vec<f32>)>> {
+    ) -> Result<Vec<(SeqId, NextToken)>> {
         let chunk = chunk.max(1);
         let plan: Vec<(SeqId, usize)> = ids.iter().map(|id| (*id, chunk)).collect();
         self.forward_runs(&plan, chunk, opts)
@@ -428,7 +487,7 @@ impl Engine {
     /// summation order of a cold prefill in `prefill_chunk` chunks, however
     /// the budget splits them, so the logits do not depend on the budget.
     /// Returns the logits of each sequence whose pending tokens are all in.
-    pub fn forward_some(&mut self, plan: &[(SeqId, usize)], opts: StepOptions) -> Result<Vec<(SeqId, Vec<f32>)>> {
+    pub fn forward_some(&mut self, plan: &[(SeqId, usize)], opts: StepOptions) -> Result<Vec<(SeqId, NextToken)>> {
         self.forward_runs(plan, self.options.prefill_chunk, opts)
     }
 
@@ -444,7 +503,7 @@ impl Engine {
         runs: &[(SeqId, usize)],
         cold_chunk: usize,
         opts: StepOptions,
-    ) -> Result<Vec<(SeqId, Vec<f32>)>> {
+    ) -> Result<Vec<(SeqId, NextToken)>> {
         let mut plan = Vec::with_capacity(runs.len());
         for (id, most) in runs {
             let s = self.seq(*id)?;
@@ -467,29 +526,38 @@ impl Engine {
                 BatchItem { tokens, start_pos: *start, blocks: &s.blocks, logits: *last, order: *order }
             })
             .collect();
-        let logits = match &mut self.cuda {
-            Some(g) => g.forward(&self.model, &items, opts)?,
-            None => self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch, opts)?,
-        };
-        let vocab = self.model.config.vocab_size;
+        let mut next = match &mut self.cuda {
+            Some(g) => {
+                // Greedy rows are picked on the device: only their ids come back.
+                let picks: Vec<bool> = (plan.iter().filter(|p| p.3))
+                    .map(|p| self.device_sampling && self.seqs[&p.0].params.is_greedy())
+                    .collect();
+                g.forward(&self.model, &items, opts, &picks)?
+            }
+            None => {
+                let logits = self.model.forward(&self.pool, &mut self.kv, &items, &mut self.scratch, opts)?;
+                let vocab = self.model.config.vocab_size;
+                logits.chunks_exact(vocab).map(|l| NextToken::Logits(l.to_vec())).collect()
+            }
+        }
+        .into_iter();
         let mut out = Vec::new();
-        let mut li = 0;
         for (id, _, n, last, _) in plan {
             let s = self.seqs.get_mut(&id).expect("planned sequence exists");
             s.n_cached += n;
             s.store_blocks(&mut self.kv, cold_chunk.max(1), self.options.cache_generated);
             if last {
-                out.push((id, logits[li * vocab..(li + 1) * vocab].to_vec()));
-                li += 1;
+                out.push((id, next.next().expect("one output per finished row")));
             }
         }
         Ok(out)
     }
 
-    /// Append a token chosen from `logits` and decide whether the sequence ends.
-    pub fn accept(&mut self, id: SeqId, logits: &[f32]) -> Result<TokenEvent> {
+    /// Append the token `next` gives (sampled from its logits, or picked
+    /// on the GPU) and decide whether the sequence ends.
+    pub fn accept(&mut self, id: SeqId, next: &NextToken) -> Result<TokenEvent> {
         let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
-        let token = sample(&s.params, logits, s.generated());
+        let token = next.sample(&s.params, s.generated());
         self.push_token(id, token)
     }
 
@@ -506,7 +574,15 @@ impl Engine {
                 blob.n_tokens, s.n_prompt
             )));
         }
-        self.kv.import(&s.blocks, blob)
+        self.kv.import(&s.blocks, blob)?;
+        // Where transfers land in VRAM, the first token's attach uploads
+        // nothing: this copy goes up now.
+        match &mut self.cuda {
+            Some(g) if self.transfers_in_vram => {
+                g.upload(&self.kv, &s.blocks[..self.kv.layout.blocks_for(blob.n_tokens)])
+            }
+            _ => Ok(()),
+        }
     }
 
     /// After [`Engine::import_prompt_kv`]: mark the prompt cached and append
@@ -522,9 +598,10 @@ impl Engine {
             return Err(EngineError::BadToken(token));
         }
         s.n_cached = s.n_prompt;
-        // The prompt's KV arrived in the host arena (imported, or written
-        // there by NIXL): the GPU takes its copy.
-        if let Some(g) = &mut self.cuda {
+        // The prompt's KV is in VRAM already (written there by NIXL, or
+        // uploaded by `import_prompt_kv`), unless transfers stage through
+        // the host arena: then the GPU takes its copy now.
+        if let Some(g) = self.cuda.as_mut().filter(|_| !self.transfers_in_vram) {
             let n = self.kv.layout.blocks_for(s.n_prompt);
             g.upload(&self.kv, &s.blocks[..n])?;
         }

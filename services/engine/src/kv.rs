@@ -150,6 +150,14 @@ impl KvCache {
         unsafe { std::slice::from_raw_parts(self.data[r].as_ptr().cast::<u16>(), self.layout.block_elems()) }
     }
 
+    /// Block `b`'s values as f16 bits, to overwrite (from a GPU's copy).
+    pub fn block_bits_mut(&mut self, b: u32) -> &mut [u16] {
+        let r = self.block_range(b);
+        let n = self.layout.block_elems();
+        // SAFETY: f16 is a transparent u16.
+        unsafe { std::slice::from_raw_parts_mut(self.data[r].as_mut_ptr().cast::<u16>(), n) }
+    }
+
     pub fn total(&self) -> usize {
         self.blocks.total()
     }

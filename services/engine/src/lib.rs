@@ -34,10 +34,10 @@ pub mod sampler;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
-pub use engine::{ComputeBackend, Engine, EngineOptions, FinishReason, SeqId, TokenEvent};
+pub use engine::{ComputeBackend, Engine, EngineOptions, FinishReason, SeqId, TokenEvent, TransferArena};
 pub use error::EngineError;
 pub use kv::{KvBlob, KvCache, KvLayout};
 pub use model::Model;
 pub use pdmesh_kernels::pool::os_thread_id;
-pub use sampler::SamplingParams;
+pub use sampler::{NextToken, SamplingParams};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};

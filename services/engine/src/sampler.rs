@@ -48,6 +48,12 @@ impl SamplingParams {
         SamplingParams { max_tokens, ..Default::default() }
     }
 
+    /// Whether the next token is the argmax (no randomness): such rows
+    /// may be picked on the GPU, with only the token id coming back.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidArgument(m));
         if self.max_tokens == 0 {
@@ -66,7 +72,7 @@ impl SamplingParams {
 /// Pick the next token from `logits`; `step` is the index of the token being
 /// generated (0 for the first).
 pub fn sample(p: &SamplingParams, logits: &[f32], step: usize) -> u32 {
-    if p.temperature == 0.0 || p.top_k == 1 {
+    if p.is_greedy() {
         return argmax(logits);
     }
     let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, *l)).collect();
@@ -104,6 +110,34 @@ pub fn sample(p: &SamplingParams, logits: &[f32], step: usize) -> u32 {
         }
     }
     cand[probs.len() - 1].0
+}
+
+/// What a forward step gives a sequence whose pending tokens are all in.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NextToken {
+    /// The last position's logits: the host samples them.
+    Logits(Vec<f32>),
+    /// The token the GPU already picked (a greedy row: only its id crossed
+    /// the bus). The device's argmax breaks ties as [`argmax`] does.
+    Picked(u32),
+}
+
+impl NextToken {
+    /// The logits, where they came back to the host (always on the CPU).
+    pub fn logits(&self) -> Option<&[f32]> {
+        match self {
+            NextToken::Logits(l) => Some(l),
+            NextToken::Picked(_) => None,
+        }
+    }
+
+    /// The token for the `step`-th generated position.
+    pub fn sample(&self, p: &SamplingParams, step: usize) -> u32 {
+        match self {
+            NextToken::Logits(l) => sample(p, l, step),
+            NextToken::Picked(t) => *t,
+        }
+    }
 }
 
 /// Index of the largest logit (lowest index on ties).

@@ -91,3 +91,20 @@ fn cuda_graph_replay_equals_launching_every_kernel() {
         "decode steps from CUDA graphs differ from the same steps launched kernel by kernel"
     );
 }
+
+#[test]
+fn cuda_device_picked_tokens_equal_the_hosts_argmax_of_the_same_logits() {
+    let test = "cuda_device_picked_tokens_equal_the_hosts_argmax_of_the_same_logits";
+    let Some(mut gpu) = gpu_engine(test) else { return };
+    let prompts: Vec<Vec<u32>> = golden().iter().map(|g| ids(&g["chat_ids"])).collect();
+    // Graph steps and launched steps, each with ids picked on the device
+    // and with every row's logits brought to the host's sampler.
+    for graphs in [true, false] {
+        gpu.engine.set_cuda_graphs(graphs);
+        gpu.engine.set_device_sampling(true);
+        let picked = gpu.engine.generate_all(&prompts, &greedy(24), 8).unwrap();
+        gpu.engine.set_device_sampling(false);
+        let sampled = gpu.engine.generate_all(&prompts, &greedy(24), 8).unwrap();
+        assert_eq!(picked, sampled, "device argmax differs from the host's (graphs {graphs})");
+    }
+}

@@ -85,7 +85,8 @@ fn first_position_logits_match_llama_cpp_top5() {
     for g in golden() {
         let chat = ids(&g["chat_ids"]);
         let id = f.engine.add_sequence(chat, SamplingParams::greedy(1)).unwrap();
-        let logits = f.engine.forward_pending(&[id], 4096, Default::default()).unwrap().remove(0).1;
+        let next = f.engine.forward_pending(&[id], 4096, Default::default()).unwrap().remove(0).1;
+        let logits = next.logits().expect("the CPU engine returns logits");
         f.engine.release(id).unwrap();
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]));

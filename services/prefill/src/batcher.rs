@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
 use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::model::StepOptions;
-use pdmesh_engine::{Engine, EngineError, KvBlob, SamplingParams, SeqId};
+use pdmesh_engine::{Engine, EngineError, KvBlob, NextToken, SamplingParams, SeqId};
 use pdmesh_worker::prefix::SharedPrefix;
 use pdmesh_worker::steps::{self, Meter};
 use pdmesh_worker::KernelSpans;
@@ -478,8 +478,8 @@ impl Loop {
         self.token_s = 0.8 * self.token_s + 0.2 * secs / tokens.max(1) as f64;
         match result {
             Ok(done) => {
-                for (id, logits) in done {
-                    self.finish(id, &logits);
+                for (id, next) in done {
+                    self.finish(id, &next);
                 }
             }
             Err(e) => self.fail(&runs, &e),
@@ -498,14 +498,17 @@ impl Loop {
     }
 
     /// A prompt is all in: sample its first token and hand its pinned blocks over.
-    fn finish(&mut self, id: SeqId, logits: &[f32]) {
+    fn finish(&mut self, id: SeqId, next: &NextToken) {
         let Some(i) = self.active.iter().position(|a| a.id == id) else { return };
         let a = self.active.remove(i);
         a.forward.record(attr::PREFILL_STEPS, a.steps as i64);
         a.costs.record(&a.forward, self.meter.batch_usual());
         let n_tokens = a.job.prompt.len();
         let engine = &mut self.engine;
-        let r = engine.accept(id, logits).and_then(|ev| {
+        let r = engine.accept(id, next).and_then(|ev| {
+            // On a GPU whose transfers stage through host memory, the
+            // prompt's blocks go there before anyone reads them.
+            engine.stage_for_send(id)?;
             let blocks = engine.blocks(id)?[..engine.kv.layout.blocks_for(n_tokens)].to_vec();
             let cached_tokens = engine.reused_tokens(id)?;
             Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens })

@@ -470,17 +470,33 @@ pub async fn start_worker<T: Send + Sync + 'static>(
 ) -> Result<Started<T>, ServeError> {
     let nixl_lib = kv::choose(&args.transport, args.engine.cache.python()).map_err(ServeError::Setup)?;
     let name = if nixl_lib.is_some() { "nixl" } else { "tcp" };
-    let (admin, engine, stats) = boot(service, config, &args.common, &args.engine, name, render).await?;
+    let (admin, mut engine, stats) = boot(service, config, &args.common, &args.engine, name, render).await?;
     let worker_id = args.common.instance_id.clone().unwrap_or_else(|| format!("{service}-{}", std::process::id()));
     let nixl = match nixl_lib {
-        Some(_) => {
-            let (addr, len) = engine.kv.arena();
-            Some(std::sync::Arc::new(kv::Nixl::start(&worker_id, addr, len).map_err(ServeError::Setup)?))
-        }
+        Some(_) => Some(std::sync::Arc::new(start_nixl(&worker_id, &mut engine).map_err(ServeError::Setup)?)),
         None => None,
     };
+    if let Some(n) = &nixl {
+        let memory = n.arena.gpu.map(|g| format!("vram (GPU {g})")).unwrap_or_else(|| "host".into());
+        admin.state.note("kv_arena", serde_json::json!(memory));
+    }
     let broker = Peers::resolve(&args.common, "kvbroker", &args.kvbroker_addr).map_err(ServeError::Setup)?;
     Ok(Started { admin, engine, stats, worker_id, nixl, broker })
+}
+
+/// A NIXL agent on the engine's transfer arena: its VRAM on a GPU, so
+/// transfers go GPU to GPU. Where the NIXL build cannot register VRAM
+/// (UCX without CUDA), transfers stage through the host arena instead.
+fn start_nixl(worker_id: &str, engine: &mut Engine) -> Result<kv::Nixl, String> {
+    let arena = engine.transfer_arena();
+    match kv::Nixl::start(worker_id, arena) {
+        Err(e) if arena.gpu.is_some() => {
+            tracing::warn!(error = %e, "KV arena: NIXL cannot register VRAM; transfers stage through host memory");
+            engine.stage_transfers_on_host();
+            kv::Nixl::start(worker_id, engine.transfer_arena())
+        }
+        r => r,
+    }
 }
 
 impl<T> Started<T> {

@@ -1,12 +1,15 @@
 //! The forward pass on a GPU: the same model, batch API and KV layout as
 //! the CPU path (`model.rs`), through pdmesh-cuda's kernels. Weights are
 //! uploaded once, as the model file holds them (Q4_1, Q8_0); the KV arena
-//! lives in VRAM, block for block the layout of [`KvCache`], whose host
-//! arena stays the staging area for transfers: [`CudaModel::download`]
-//! before an export, [`CudaModel::upload`] after an import.
+//! lives in VRAM, block for block the layout of [`KvCache`].
 //!
-//! Not yet here: CUDA graphs for the decode step, and registering the VRAM
-//! arena with NIXL (transfers go through host memory).
+//! - Decode steps replay CUDA graphs (one per row count).
+//! - Greedy rows are picked on the device (`argmax`); only their ids come
+//!   back. Other rows bring their logits to the host's sampler.
+//! - NIXL registers the VRAM arena ([`CudaModel::arena`]), so transfers go
+//!   GPU to GPU. Where it cannot, transfers stage through the host arena:
+//!   [`CudaModel::download_blocks`] before a send, [`CudaModel::upload`]
+//!   after a receive. TCP exports read VRAM ([`CudaModel::export`]).
 
 use std::collections::HashMap;
 
@@ -16,7 +19,8 @@ use super::{BatchItem, Model, StepOptions, Weight};
 use crate::error::{EngineError, Result};
 use crate::gguf::TensorType;
 use crate::kv::{KvBlob, KvCache, KvLayout};
-use cudarc::driver::CudaSlice;
+use crate::sampler::NextToken;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 fn gpu_err(e: String) -> EngineError {
     EngineError::Unavailable(format!("CUDA: {e}"))
@@ -284,7 +288,16 @@ impl CudaModel {
     /// One step for `batch` (the CPU's `Model::forward`): the logits of
     /// the rows that want them, `[row][vocab]`. With `opts.kernel_spans`,
     /// each launch gets a span with its grid, block, knobs and device time.
-    pub fn forward(&mut self, m: &Model, batch: &[BatchItem<'_>], opts: StepOptions) -> Result<Vec<f32>> {
+    ///
+    /// `picks[i]` says whether logit row i is picked here (its argmax, only
+    /// the id copied back) or comes back as logits for the host's sampler.
+    pub fn forward(
+        &mut self,
+        m: &Model,
+        batch: &[BatchItem<'_>],
+        opts: StepOptions,
+        picks: &[bool],
+    ) -> Result<Vec<NextToken>> {
         let n_tok: usize = batch.iter().map(|b| b.tokens.len()).sum();
         if n_tok == 0 {
             return Ok(Vec::new());
@@ -292,7 +305,9 @@ impl CudaModel {
         let decode_only = batch.iter().all(|b| b.tokens.len() == 1 && b.logits);
         let fits = (self.context + m.config.head_dim) * 4 <= 48 * 1024;
         if self.use_graphs && decode_only && fits && !opts.kernel_spans && n_tok <= MAX_GRAPH_ROWS {
-            return self.forward_graph(m, batch);
+            self.forward_graph(m, batch)?;
+            let dg = &self.graphs[&n_tok];
+            return self.read_out(&dg.logits, picks, m.config.vocab_size, false);
         }
         let data = RowData::of(batch, self.layout.block_size, None);
         let rows = Rows::upload(&self.gpu, &data, data.max_ctx)?;
@@ -304,12 +319,53 @@ impl CudaModel {
         let r = step(&k, &self.layers, &mut self.arena, head, shape, m, &rows, &mut s, &mut logits);
         self.scratch = Some(s);
         r?;
-        self.gpu.download(&logits).map_err(gpu_err)
+        self.read_out(&logits, picks, m.config.vocab_size, opts.kernel_spans)
+    }
+
+    /// Each logit row's output: the device's argmax for picked rows (one
+    /// launch, ids copied back), the row's logits for the others.
+    fn read_out(&self, logits: &CudaSlice<f32>, picks: &[bool], vocab: usize, spans: bool) -> Result<Vec<NextToken>> {
+        let rows = picks.len();
+        let ids = if picks.iter().any(|p| *p) {
+            let mut ids = self.gpu.zeros::<i32>(rows).map_err(gpu_err)?;
+            let k = Launches { gpu: &self.gpu, on: spans, rows };
+            k.run("argmax", 0, rows, vocab, |g| g.argmax(logits, rows, vocab, &mut ids))?;
+            self.gpu.download(&ids).map_err(gpu_err)?
+        } else {
+            Vec::new()
+        };
+        let row = |r: usize| {
+            (self.gpu.stream.clone_dtoh(&logits.slice(r * vocab..(r + 1) * vocab)))
+                .map_err(|e| gpu_err(format!("copying logits to the host: {e:?}")))
+        };
+        (0..rows)
+            .map(|r| Ok(if picks[r] { NextToken::Picked(ids[r] as u32) } else { NextToken::Logits(row(r)?) }))
+            .collect()
+    }
+
+    /// The VRAM arena's device address and length in bytes (NIXL registers it).
+    pub fn arena(&self) -> (usize, usize) {
+        let (ptr, _synced) = self.arena.device_ptr(&self.gpu.stream);
+        (ptr as usize, self.arena.len() * 2)
+    }
+
+    /// Copy `blocks` of the VRAM arena into `kv`'s host arena (a transfer
+    /// staged through the host reads them there).
+    pub fn download_blocks(&self, kv: &mut KvCache, blocks: &[u32]) -> Result<()> {
+        let e = self.layout.block_elems();
+        for b in blocks {
+            let at = *b as usize * e..(*b as usize + 1) * e;
+            self.gpu
+                .stream
+                .memcpy_dtoh(&self.arena.slice(at), kv.block_bits_mut(*b))
+                .map_err(|x| gpu_err(format!("copying KV block {b} to the host: {x:?}")))?;
+        }
+        self.gpu.sync().map_err(gpu_err)
     }
 
     /// A decode step (one token per item) replayed from its graph, captured
     /// the first time a step of this many rows runs.
-    fn forward_graph(&mut self, m: &Model, batch: &[BatchItem<'_>]) -> Result<Vec<f32>> {
+    fn forward_graph(&mut self, m: &Model, batch: &[BatchItem<'_>]) -> Result<()> {
         let n = batch.len();
         let stride = self.layout.blocks_for(self.context);
         let data = RowData::of(batch, self.layout.block_size, Some(stride));
@@ -324,8 +380,7 @@ impl CudaModel {
         self.scratch = Some(s);
         let dg = self.graphs.get_mut(&n).expect("captured above");
         dg.rows.write(&self.gpu, &data)?;
-        dg.graph.0.launch().map_err(|e| gpu_err(format!("replaying the decode graph: {e:?}")))?;
-        self.gpu.download(&dg.logits).map_err(gpu_err)
+        dg.graph.0.launch().map_err(|e| gpu_err(format!("replaying the decode graph: {e:?}")))
     }
 
     /// Capture the decode step for `data`'s rows (its launches record, they do not run).

@@ -50,12 +50,14 @@ pub fn greedy(n: usize) -> SamplingParams {
 
 /// The logits after the whole prompt, and how many positions were reused.
 pub fn prompt_logits(e: &mut Engine, prompt: &[u32]) -> (Vec<f32>, usize) {
+    // On a GPU, greedy rows would come back as picked ids only.
+    e.set_device_sampling(false);
     let id = e.add_sequence(prompt.to_vec(), greedy(1)).unwrap();
     let reused = e.reused_tokens(id).unwrap();
     let chunk = e.options.prefill_chunk;
     let logits = loop {
-        if let Some((_, l)) = e.forward_pending(&[id], chunk, Default::default()).unwrap().pop() {
-            break l;
+        if let Some((_, next)) = e.forward_pending(&[id], chunk, Default::default()).unwrap().pop() {
+            break next.logits().expect("logits come back with device sampling off").to_vec();
         }
     };
     e.release(id).unwrap();

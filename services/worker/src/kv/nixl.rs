@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use pdmesh_engine::TransferArena;
+
 use nixl_sys::{
     Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
     ThreadSync, XferDescList, XferOp, XferStatus,
@@ -59,27 +61,34 @@ pub fn load_library(path: &Path) -> Result<(), String> {
     r.as_ref().map(|_| ()).map_err(Clone::clone)
 }
 
+/// The registered KV arena, as the engine gives it.
 #[derive(Debug)]
-struct Region {
-    addr: usize,
-    len: usize,
-}
+struct Region(TransferArena);
 
 impl MemoryRegion for Region {
     unsafe fn as_ptr(&self) -> *const u8 {
-        self.addr as *const u8
+        self.0.addr as *const u8
     }
     fn size(&self) -> usize {
-        self.len
+        self.0.len
     }
 }
 
 impl NixlDescriptor for Region {
     fn mem_type(&self) -> MemType {
-        MemType::Dram
+        mem_type(&self.0)
     }
     fn device_id(&self) -> u64 {
-        0
+        self.0.gpu.unwrap_or(0)
+    }
+}
+
+/// NIXL's memory type for an arena: VRAM of its GPU, or host DRAM.
+fn mem_type(a: &TransferArena) -> MemType {
+    if a.gpu.is_some() {
+        MemType::Vram
+    } else {
+        MemType::Dram
     }
 }
 
@@ -116,8 +125,8 @@ impl Drop for Held<'_> {
 pub struct Nixl {
     agent: Agent,
     _registration: RegistrationHandle,
-    pub arena_addr: usize,
-    pub arena_len: usize,
+    /// The registered arena: host memory, or a GPU's (VRAM).
+    pub arena: TransferArena,
     /// Remote agents loaded from their metadata, by worker id.
     remotes: Mutex<HashMap<String, Remote>>,
 }
@@ -126,7 +135,7 @@ impl Nixl {
     /// Create the agent (UCX backend, no progress thread: idle progress
     /// threads spin and take whole cores here; the receiving side polls
     /// instead, see [`Nixl::progress`]) and register the arena once.
-    pub fn start(worker_id: &str, arena_addr: usize, arena_len: usize) -> Result<Nixl, String> {
+    pub fn start(worker_id: &str, arena: TransferArena) -> Result<Nixl, String> {
         // Unique per process: a restarted worker keeps its worker id but is a
         // new NIXL peer (peers must not reuse the dead one's connection).
         let nonce =
@@ -137,10 +146,11 @@ impl Nixl {
         let agent = Agent::new_configured(name, &cfg).map_err(|e| format!("NIXL agent: {e}"))?;
         let (_mems, params) = agent.get_plugin_params("UCX").map_err(|e| format!("NIXL UCX plugin: {e}"))?;
         agent.create_backend("UCX", &params).map_err(|e| format!("NIXL UCX backend: {e}"))?;
-        let reg = agent
-            .register_memory(&Region { addr: arena_addr, len: arena_len }, None)
-            .map_err(|e| format!("NIXL register KV arena: {e}"))?;
-        Ok(Nixl { agent, _registration: reg, arena_addr, arena_len, remotes: Mutex::default() })
+        let reg = agent.register_memory(&Region(arena), None).map_err(|e| {
+            let at = arena.gpu.map(|g| format!(" in the VRAM of GPU {g}")).unwrap_or_default();
+            format!("NIXL register KV arena{at}: {e}")
+        })?;
+        Ok(Nixl { agent, _registration: reg, arena, remotes: Mutex::default() })
     }
 
     /// This agent's metadata, for the kvbroker.
@@ -168,15 +178,15 @@ impl Nixl {
     }
 
     /// WRITE `src` blocks of the local arena into `dst` blocks of the
-    /// remote arena at `remote_addr`; blocks are `block_bytes` long.
+    /// `remote` arena; blocks are `block_bytes` long. Either arena may be
+    /// host memory or VRAM (UCX picks cuda_copy or cuda_ipc for the latter).
     /// Blocking: polls until done or `timeout`. Returns the bytes moved.
     #[allow(clippy::too_many_arguments)]
     pub fn write(
         &self,
         worker: &str,
         md: &[u8],
-        remote_addr: usize,
-        remote_len: usize,
+        remote: TransferArena,
         src: &[u32],
         dst: &[u32],
         block_bytes: usize,
@@ -187,7 +197,7 @@ impl Nixl {
             return Err(format!("{} source blocks for {} destination blocks", src.len(), dst.len()));
         }
         let mut held = self.hold(worker, md)?;
-        let r = self.post_and_wait(&held.name, src, dst, remote_addr, remote_len, block_bytes, note, timeout);
+        let r = self.post_and_wait(&held.name, src, dst, remote, block_bytes, note, timeout);
         held.failed = r.is_err();
         r
     }
@@ -195,31 +205,31 @@ impl Nixl {
     #[allow(clippy::too_many_arguments)]
     fn post_and_wait(
         &self,
-        remote: &str,
+        peer: &str,
         src: &[u32],
         dst: &[u32],
-        remote_addr: usize,
-        remote_len: usize,
+        remote: TransferArena,
         block_bytes: usize,
         note: &str,
         timeout: Duration,
     ) -> Result<u64, String> {
-        let mut local = XferDescList::new(MemType::Dram).map_err(|e| e.to_string())?;
-        let mut far = XferDescList::new(MemType::Dram).map_err(|e| e.to_string())?;
+        let here = self.arena;
+        let mut local = XferDescList::new(mem_type(&here)).map_err(|e| e.to_string())?;
+        let mut far = XferDescList::new(mem_type(&remote)).map_err(|e| e.to_string())?;
         for (s, d) in src.iter().zip(dst) {
             let (so, doff) = (*s as usize * block_bytes, *d as usize * block_bytes);
-            if so + block_bytes > self.arena_len || doff + block_bytes > remote_len {
+            if so + block_bytes > here.len || doff + block_bytes > remote.len {
                 return Err(format!("block {s} -> {d} is outside an arena"));
             }
-            local.add_desc(self.arena_addr + so, block_bytes, 0);
-            far.add_desc(remote_addr + doff, block_bytes, 0);
+            local.add_desc(here.addr + so, block_bytes, here.gpu.unwrap_or(0));
+            far.add_desc(remote.addr + doff, block_bytes, remote.gpu.unwrap_or(0));
         }
         let mut opt = OptArgs::new().map_err(|e| e.to_string())?;
         opt.set_notification_message(note.as_bytes()).map_err(|e| e.to_string())?;
         opt.set_has_notification(true).map_err(|e| e.to_string())?;
         let req = self
             .agent
-            .create_xfer_req(XferOp::Write, &local, &far, remote, Some(&opt))
+            .create_xfer_req(XferOp::Write, &local, &far, peer, Some(&opt))
             .map_err(|e| format!("NIXL transfer request: {e}"))?;
         let t0 = Instant::now();
         let mut in_progress = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| format!("NIXL post: {e}"))?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pdmesh_core::grpc::Channels;
 use pdmesh_core::vocab::rpc;
-use pdmesh_engine::{KvBlob, KvLayout};
+use pdmesh_engine::{KvBlob, KvLayout, TransferArena};
 use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_proto::kvbroker::v1 as kpb;
 use tonic::Status;
@@ -76,21 +76,23 @@ impl KvTransport for NixlTransport {
         }
         let nixl = self.nixl.clone();
         let (src, dst) = (src.blocks().to_vec(), ticket.dest_blocks[..n].to_vec());
-        let (worker, md, addr, len) = (
-            ticket.dest_worker.clone(),
-            agent.nixl_metadata.clone(),
-            agent.arena_addr as usize,
-            agent.arena_len as usize,
-        );
+        let (worker, md, remote) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), remote_arena(agent));
         let now = pdmesh_core::now_ms();
         let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
         let note = ticket.request_id.clone();
-        tokio::task::spawn_blocking(move || {
-            nixl.write(&worker, &md, addr, len, &src, &dst, block_bytes, &note, timeout)
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(Status::unavailable)
+        tokio::task::spawn_blocking(move || nixl.write(&worker, &md, remote, &src, &dst, block_bytes, &note, timeout))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::unavailable)
+    }
+}
+
+/// The arena a decode worker registered, as its agent announces it.
+fn remote_arena(agent: &kpb::Agent) -> TransferArena {
+    TransferArena {
+        addr: agent.arena_addr as usize,
+        len: agent.arena_len as usize,
+        gpu: agent.arena_in_vram.then_some(u64::from(agent.arena_gpu)),
     }
 }
 
