@@ -63,8 +63,8 @@ pub struct EngineArgs {
     /// prefill is step 1).
     #[arg(long, env = "PDMESH_TRACE_KERNEL_STEPS", default_value = "off")]
     pub trace_kernel_steps: KernelSpans,
-    /// Where the forward pass runs: cpu, cuda (GPU 0, KV in VRAM staged
-    /// through the host arena for transfers; an error without a GPU) or auto
+    /// Where the forward pass runs: cpu, cuda (GPU 0, KV in VRAM,
+    /// registered with NIXL as VRAM; an error without a GPU) or auto
     /// (CUDA where a GPU and driver are found).
     #[arg(long, env = "PDMESH_BACKEND", value_enum, default_value = "cpu")]
     pub backend: pdmesh_engine::ComputeBackend,
