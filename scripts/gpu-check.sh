@@ -18,7 +18,7 @@
 # 7. The knob A/B (PDMESH_CUDA_ROWS_PER_CTA 4 against 8) at 64 and 96: two
 #    meshes, A, B, A, B; traces carry knob.rows_per_cta on kernel spans.
 #
-# Writes OUT_DIR/{env,tests,bench,mesh,knob}.json; exits non-zero when a
+# Writes OUT_DIR/{env,tests,bench,mesh,knob,status}.json; exits non-zero when a
 # check failed. A step that cannot run says why in its JSON. Budget: under
 # 8 minutes on an H200-class machine.
 set -uo pipefail
@@ -111,6 +111,10 @@ mesh() { # mesh NAME PORT ROWS_PER_CTA
 lt() { "$bin/pdmesh-loadtest" --mode closed --concurrency 64,96 --requests 192 --max-tokens 64 --ignore-eos \
   --unique-prompts --seed 1 --timeout-s 60 "$@"; }
 if mesh a 18280 4 && mesh b 18281 8; then
+  # Where each worker runs and where its KV arena is (runtime.backend,
+  # runtime.kv_arena: "vram (GPU 0)" when NIXL registered VRAM).
+  "$bin/meshctl" status --registry-dir "$work/a/registry" --json >"$out/status.json" 2>&1 || true
+  grep -h "KV transport\|NIXL cannot register VRAM" "$work/a.log" >"$out/transport.txt" 2>/dev/null || true
   log "mesh load at 64 and 96 (rows per CTA 4)"
   lt --target 127.0.0.1:18280 --registry-dir "$work/a/registry" --meshctl "$bin/meshctl" --out "$out/mesh.json" \
     >/dev/null || failed=1
