@@ -4,8 +4,8 @@
 pub fn silu_mul_be(be: crate::Backend, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
     #[cfg(target_arch = "x86_64")]
-    if be == crate::Backend::Avx2 {
-        // SAFETY: Backend::Avx2 is only chosen when AVX2 and FMA are present.
+    if be.has_avx2() {
+        // SAFETY: AVX2 backends are only chosen when AVX2 and FMA are present.
         return unsafe { crate::ggml_avx2::silu_mul(gate, up) };
     }
     let _ = be;

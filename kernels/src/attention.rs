@@ -78,8 +78,8 @@ pub fn attend_group(
 
 fn dot_in_order(be: Backend, order: SumOrder, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if be == Backend::Avx2 {
-        // SAFETY: Backend::Avx2 means AVX2+FMA; lengths are multiples of 32.
+    if be.has_avx2() {
+        // SAFETY: an AVX2 backend means AVX2+FMA; lengths are multiples of 32.
         return unsafe {
             match order {
                 SumOrder::Gemm => ggml_avx2::dot_chain(a, b),
@@ -96,8 +96,8 @@ fn dot_in_order(be: Backend, order: SumOrder, a: &[f32], b: &[f32]) -> f32 {
 
 fn softmax_in_order(be: Backend, x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if be == Backend::Avx2 {
-        // SAFETY: Backend::Avx2 means AVX2+FMA; x.len() is a multiple of 32.
+    if be.has_avx2() {
+        // SAFETY: an AVX2 backend means AVX2+FMA; x.len() is a multiple of 32.
         return unsafe { ggml_avx2::softmax(x) };
     }
     let _ = be;

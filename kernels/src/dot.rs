@@ -6,18 +6,20 @@
 //! beside others — which is what makes a batched sequence produce exactly the
 //! tokens it produces alone.
 //!
-//! `scalar` is the reference; `avx2` is checked against it on random inputs.
+//! `scalar` is the reference; `avx2` and `avx512` are checked against it
+//! bit for bit on random inputs.
 
 use crate::quant::{BlockQ4_1, BlockQ8, BlockQ8_0, QK};
 
 /// Quantize activations with the fastest implementation the backend has.
 pub fn quantize_q8(be: Backend, x: &[f32], out: &mut [BlockQ8]) {
     assert_eq!(x.len(), out.len() * QK);
-    match be {
+    if be.has_avx2() {
+        // SAFETY: the backend was detected on this CPU.
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => unsafe { avx2::quantize_q8(x, out) },
-        _ => crate::quant::quantize_q8(x, out),
+        return unsafe { avx2::quantize_q8(x, out) };
     }
+    crate::quant::quantize_q8(x, out)
 }
 
 /// Which implementation runs. Picked once per process by [`Backend::detect`].
@@ -25,27 +27,58 @@ pub fn quantize_q8(be: Backend, x: &[f32], out: &mut [BlockQ8]) {
 pub enum Backend {
     Scalar,
     Avx2,
+    /// AVX2 everywhere, and AVX-512 VNNI for the Q4_1 matrix products
+    /// (bit-identical to AVX2).
+    Avx512,
 }
+
+/// The environment variable that caps the kernels: `scalar`, `avx2`, or
+/// `auto` (the default: the best this CPU has).
+pub const KERNELS_ENV: &str = "PDMESH_KERNELS";
 
 impl Backend {
     pub fn detect() -> Backend {
+        let best = [Backend::Avx512, Backend::Avx2].into_iter().find(|b| b.runs_here()).unwrap_or(Backend::Scalar);
+        match std::env::var(KERNELS_ENV).as_deref() {
+            Ok("scalar") => Backend::Scalar,
+            Ok("avx2") if best.has_avx2() => Backend::Avx2,
+            _ => best,
+        }
+    }
+
+    /// Whether this CPU can run this backend's routines.
+    pub fn runs_here(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::env::var_os("PDMESH_KERNELS_SCALAR").is_none()
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
-                return Backend::Avx2;
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            match self {
+                Backend::Scalar => true,
+                Backend::Avx2 => avx2,
+                Backend::Avx512 => {
+                    avx2 && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
             }
         }
-        Backend::Scalar
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Backend::Scalar
+        }
+    }
+
+    /// Whether the AVX2 routines may run (every backend but the scalar one).
+    pub fn has_avx2(self) -> bool {
+        matches!(self, Backend::Avx2 | Backend::Avx512)
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Backend::Scalar => "cpu-scalar",
             Backend::Avx2 => "cpu-avx2",
+            Backend::Avx512 => "cpu-avx512-vnni",
         }
     }
 }
@@ -238,6 +271,94 @@ pub mod avx2 {
     }
 }
 
+/// AVX-512 with VNNI (`vpdpbusd`), where the CPU has it: the Q4_1 dot
+/// products of two weight rows at once, one row in each 256-bit half. Each
+/// half holds exactly the eight lanes of [`avx2::dot_q4_1`] (`vpdpbusd`
+/// sums the same four byte products per lane as `maddubs` + `madd`, which
+/// cannot saturate here), scaled and accumulated in the same order, so
+/// results are bit-identical to the AVX2 kernel and the scalar twin; GGML
+/// itself uses `vpdpbusd` in `mul_sum_us8_pairs_float` on such CPUs.
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    use crate::ggml_avx2::hsum;
+
+    /// `R` weight rows (`R / 2` pairs, `R` even, at most 8) against `N`
+    /// activation rows: `out[r][n]`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; every
+    /// `xs[n]` at least as long as each `w[r]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_pairs<const R: usize, const N: usize>(
+        w: [&[BlockQ4_1]; R],
+        xs: [&[BlockQ8]; N],
+    ) -> [[f32; N]; R] {
+        debug_assert!(R.is_multiple_of(2) && R <= 8);
+        // Only the first R / 2 entries of the pair arrays are used.
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        let mut summs = [_mm256_setzero_ps(); N];
+        let lowmask = _mm512_set1_epi8(0x0F);
+        let nb = w[0].len();
+        for i in 0..nb {
+            let b: [&BlockQ4_1; R] = std::array::from_fn(|r| w[r].get_unchecked(i));
+            let mut mr = [0f32; 8];
+            for r in 0..R {
+                mr[r] = h2f(b[r].m);
+            }
+            let m = _mm256_loadu_ps(mr.as_ptr());
+            let mut q = [_mm512_setzero_si512(); R];
+            let mut dv = [_mm512_setzero_ps(); R];
+            for p in 0..R / 2 {
+                q[p] = _mm512_and_si512(unpack_pair(b[2 * p], b[2 * p + 1]), lowmask);
+                let (d0, d1) = (h2f(b[2 * p].d), h2f(b[2 * p + 1].d));
+                dv[p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+            }
+            for n in 0..N {
+                let y = xs[n].get_unchecked(i);
+                let yq = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.qs.as_ptr() as *const __m256i));
+                let yd = _mm512_set1_ps(y.d);
+                for p in 0..R / 2 {
+                    let lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], yq);
+                    acc[p][n] = _mm512_fmadd_ps(_mm512_mul_ps(dv[p], yd), _mm512_cvtepi32_ps(lanes), acc[p][n]);
+                }
+                // m * y.s, then the add: the scalar twin's two roundings.
+                summs[n] = _mm256_add_ps(summs[n], _mm256_mul_ps(m, _mm256_set1_ps(y.s)));
+            }
+        }
+        let mut out = [[0f32; N]; R];
+        for n in 0..N {
+            let mut sm = [0f32; 8];
+            _mm256_storeu_ps(sm.as_mut_ptr(), summs[n]);
+            for p in 0..R / 2 {
+                let lo = _mm512_castps512_ps256(acc[p][n]);
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][n]), 1));
+                out[2 * p][n] = hsum(lo) + sm[2 * p];
+                out[2 * p + 1][n] = hsum(hi) + sm[2 * p + 1];
+            }
+        }
+        out
+    }
+
+    /// Two rows' 4-bit values, unpacked as [`avx2::dot_q4_1`] does (low
+    /// nibbles, then high nibbles), one row per 256-bit half; not yet masked.
+    #[inline(always)]
+    unsafe fn unpack_pair(a: &BlockQ4_1, b: &BlockQ4_1) -> __m512i {
+        let ta = _mm_loadu_si128(a.qs.as_ptr() as *const __m128i);
+        let tb = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
+        let ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(ta, ta)), _mm256_set_m128i(tb, tb), 1);
+        // 128-bit lanes 1 and 3 take the high nibbles.
+        _mm512_mask_blend_epi64(0b1100_1100, ab, _mm512_srli_epi16(ab, 4))
+    }
+
+    #[inline(always)]
+    unsafe fn h2f(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,7 +367,7 @@ mod tests {
 
     #[test]
     fn avx2_is_bit_identical_to_scalar_on_random_rows() {
-        if Backend::detect() != Backend::Avx2 {
+        if !Backend::Avx2.runs_here() {
             eprintln!("SKIPPED: this CPU has no AVX2/FMA/F16C; only the scalar reference runs");
             return;
         }

@@ -2,8 +2,8 @@
 //!
 //! The CPU implementation is the reference every other backend is checked
 //! against: each SIMD kernel has a scalar twin and a test on random inputs.
-//! A CUDA backend (kernels/cuda/*.cu via cudarc) will sit beside these with
-//! the same entry points; a machine without a GPU runs everything here.
+//! The CUDA kernels live in `kernels/cuda` (crate `pdmesh-cuda`) and are
+//! checked against these; a machine without a GPU runs everything here.
 //!
 //! Entry points used by the engine: [`matmul::matmul`] over GGML-quantized
 //! weights ([`quant`]), [`norm::rms_norm`], [`rope::rope_row`],
