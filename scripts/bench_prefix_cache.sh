@@ -19,6 +19,8 @@
 #      parking at once (PDMESH_POOL_SPIN_ITERS=0)
 #  14. long unique prompts: through the prefill worker (--max-local-prefill
 #      256, the default) vs prefilled by the decode worker (1024)
+#  15. unique prompts (sweep): the CPU's best kernels (AVX-512 VNNI where
+#      present) vs the AVX2 kernels (PDMESH_KERNELS=avx2)
 #
 #   scripts/bench_prefix_cache.sh /path/to/llama-server [ROUNDS] [WHICH]
 #
@@ -31,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?path of llama-server}
 rounds=${2:-2}
-which=${3:-1,2,3,4,5,6,7,8,9,10,11,12,13,14}
+which=${3:-1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}
 levels=${LEVELS:-1,4,16,32}
 tag=${TAG:+-$TAG}
 bin=target/release
@@ -49,7 +51,7 @@ mesh() {
   for _ in $(seq 1 600); do grep -q "pdmesh is up" "$work/$name.log" && return; sleep 0.5; done
   echo "mesh $name did not come up" >&2; exit 1
 }
-stop_meshes() { pkill -f "meshctl up --gateway-addr 127.0.0.1:1818" || true; sleep 2; }
+stop_meshes() { pkill -f "meshctl up .*--registry-dir $work/" || true; sleep 2; }
 llama_up() {
   # 32 slots of 1024 positions; prompt caching is llama-server's default.
   "$llama" -m "$model" --host 127.0.0.1 --port 18181 -t 2 -np 32 -cb -c 32768 >"$work/llama.log" 2>&1 &
@@ -137,5 +139,12 @@ if want 14; then
   mesh on 18180
   mesh local1024 18190 --max-local-prefill 1024
   lt 14 local-1024 127.0.0.1:18190 on "${long[@]}"
+  stop_meshes
+fi
+if want 15; then
+  mesh on 18180
+  PDMESH_KERNELS=avx2 mesh avx2 18191
+  lt 15 avx2-kernels 127.0.0.1:18191 on --mode closed --concurrency "$levels" --requests 32 --max-tokens 64 \
+    --ignore-eos --unique-prompts
   stop_meshes
 fi
