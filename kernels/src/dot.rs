@@ -285,8 +285,8 @@ pub mod avx512 {
 
     use crate::ggml_avx2::hsum;
 
-    /// `R` weight rows (`R / 2` pairs, `R` even, at most 8) against `N`
-    /// activation rows: `out[r][n]`.
+    /// `R` weight rows (`R / 2` pairs; `R` 2 or 4) against `N` activation
+    /// rows: `out[r][n]`.
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; every
@@ -296,25 +296,33 @@ pub mod avx512 {
         w: [&[BlockQ4_1]; R],
         xs: [&[BlockQ8]; N],
     ) -> [[f32; N]; R] {
-        debug_assert!(R.is_multiple_of(2) && R <= 8);
+        debug_assert!(R == 2 || R == 4);
         // Only the first R / 2 entries of the pair arrays are used.
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         let mut summs = [_mm256_setzero_ps(); N];
         let lowmask = _mm512_set1_epi8(0x0F);
+        // Where each pair's two scales sit in [d0 m0 d1 m1 d2 m2 d3 m3].
+        let pick_d = [
+            _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+            _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
+        ];
+        let pick_m = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
         let nb = w[0].len();
         for i in 0..nb {
             let b: [&BlockQ4_1; R] = std::array::from_fn(|r| w[r].get_unchecked(i));
-            let mut mr = [0f32; 8];
+            // Each block starts with its f16 d and m: one 32-bit load per
+            // row, one conversion for all of them.
+            let mut dm = [0i32; 4];
             for r in 0..R {
-                mr[r] = h2f(b[r].m);
+                dm[r] = std::ptr::read_unaligned(b[r] as *const BlockQ4_1 as *const i32);
             }
-            let m = _mm256_loadu_ps(mr.as_ptr());
+            let dm = _mm256_cvtph_ps(_mm_loadu_si128(dm.as_ptr() as *const __m128i));
+            let m = _mm256_permutevar8x32_ps(dm, pick_m);
             let mut q = [_mm512_setzero_si512(); R];
             let mut dv = [_mm512_setzero_ps(); R];
             for p in 0..R / 2 {
                 q[p] = _mm512_and_si512(unpack_pair(b[2 * p], b[2 * p + 1]), lowmask);
-                let (d0, d1) = (h2f(b[2 * p].d), h2f(b[2 * p + 1].d));
-                dv[p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+                dv[p] = _mm512_permutexvar_ps(pick_d[p], _mm512_castps256_ps512(dm));
             }
             for n in 0..N {
                 let y = xs[n].get_unchecked(i);
@@ -351,11 +359,6 @@ pub mod avx512 {
         let ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(ta, ta)), _mm256_set_m128i(tb, tb), 1);
         // 128-bit lanes 1 and 3 take the high nibbles.
         _mm512_mask_blend_epi64(0b1100_1100, ab, _mm512_srli_epi16(ab, 4))
-    }
-
-    #[inline(always)]
-    unsafe fn h2f(bits: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
     }
 }
 
