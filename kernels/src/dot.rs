@@ -271,19 +271,75 @@ pub mod avx2 {
     }
 }
 
-/// AVX-512 with VNNI (`vpdpbusd`), where the CPU has it: the Q4_1 dot
-/// products of two weight rows at once, one row in each 256-bit half. Each
-/// half holds exactly the eight lanes of [`avx2::dot_q4_1`] (`vpdpbusd`
-/// sums the same four byte products per lane as `maddubs` + `madd`, which
-/// cannot saturate here), scaled and accumulated in the same order, so
-/// results are bit-identical to the AVX2 kernel and the scalar twin; GGML
-/// itself uses `vpdpbusd` in `mul_sum_us8_pairs_float` on such CPUs.
+/// AVX-512 with VNNI (`vpdpbusd`), where the CPU has it: the dot products
+/// of two weight rows at once, one row in each 256-bit half. Each half
+/// holds exactly the eight lanes of the AVX2 kernels (`vpdpbusd` sums the
+/// same four byte products per lane as `maddubs` + `madd`, which cannot
+/// saturate here), scaled and accumulated in the same order, so results
+/// are bit-identical to AVX2 and the scalar twins; GGML itself uses
+/// `vpdpbusd` in `mul_sum_us8_pairs_float` on such CPUs.
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
     use crate::ggml_avx2::hsum;
+
+    /// A weight block the pair kernel takes.
+    pub trait PairBlock {
+        /// Whether blocks carry a minimum (`m * y.s` is added per block).
+        const MIN: bool;
+        /// Whether weights are signed (their signs move onto the activations).
+        const SIGNED: bool;
+        /// The block's f16 scale and, with [`Self::MIN`], its minimum, in
+        /// the low and high half of a 32-bit word.
+        fn scales(&self) -> i32;
+        /// Two rows' weights as unsigned bytes, one row per 256-bit half
+        /// (the order the AVX2 kernel multiplies them in), and with
+        /// [`Self::SIGNED`] the bytes whose activations are negated.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512 F and BW.
+        unsafe fn weights(a: &Self, b: &Self) -> (__m512i, __mmask64);
+    }
+
+    impl PairBlock for BlockQ4_1 {
+        const MIN: bool = true;
+        const SIGNED: bool = false;
+        #[inline(always)]
+        fn scales(&self) -> i32 {
+            // d then m: the block's first four bytes.
+            i32::from(self.d) | (i32::from(self.m) << 16)
+        }
+        /// Low nibbles, then high nibbles, as [`avx2::dot_q4_1`] unpacks them.
+        #[inline(always)]
+        unsafe fn weights(a: &Self, b: &Self) -> (__m512i, __mmask64) {
+            let ta = _mm_loadu_si128(a.qs.as_ptr() as *const __m128i);
+            let tb = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
+            let ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(ta, ta)), _mm256_set_m128i(tb, tb), 1);
+            // 128-bit lanes 1 and 3 take the high nibbles.
+            let q = _mm512_mask_blend_epi64(0b1100_1100, ab, _mm512_srli_epi16(ab, 4));
+            (_mm512_and_si512(q, _mm512_set1_epi8(0x0F)), 0)
+        }
+    }
+
+    impl PairBlock for BlockQ8_0 {
+        const MIN: bool = false;
+        const SIGNED: bool = true;
+        #[inline(always)]
+        fn scales(&self) -> i32 {
+            i32::from(self.d)
+        }
+        /// |w|, and w's signs for the activations ([`avx2::dot_q8_0`]'s
+        /// `sign_epi8` trick: where w is 0 the product is 0 either way).
+        #[inline(always)]
+        unsafe fn weights(a: &Self, b: &Self) -> (__m512i, __mmask64) {
+            let wa = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+            let wb = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
+            let w = _mm512_inserti64x4(_mm512_castsi256_si512(wa), wb, 1);
+            (_mm512_abs_epi8(w), _mm512_movepi8_mask(w))
+        }
+    }
 
     /// `R` weight rows (`R / 2` pairs; `R` 2 or 4) against `N` activation
     /// rows: `out[r][n]`.
@@ -292,15 +348,15 @@ pub mod avx512 {
     /// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; every
     /// `xs[n]` at least as long as each `w[r]`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dot_q4_1_pairs<const R: usize, const N: usize>(
-        w: [&[BlockQ4_1]; R],
+    pub unsafe fn dot_pairs<B: PairBlock, const R: usize, const N: usize>(
+        w: [&[B]; R],
         xs: [&[BlockQ8]; N],
     ) -> [[f32; N]; R] {
         debug_assert!(R == 2 || R == 4);
         // Only the first R / 2 entries of the pair arrays are used.
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         let mut summs = [_mm256_setzero_ps(); N];
-        let lowmask = _mm512_set1_epi8(0x0F);
+        let zero = _mm512_setzero_si512();
         // Where each pair's two scales sit in [d0 m0 d1 m1 d2 m2 d3 m3].
         let pick_d = [
             _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
@@ -309,19 +365,19 @@ pub mod avx512 {
         let pick_m = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
         let nb = w[0].len();
         for i in 0..nb {
-            let b: [&BlockQ4_1; R] = std::array::from_fn(|r| w[r].get_unchecked(i));
-            // Each block starts with its f16 d and m: one 32-bit load per
-            // row, one conversion for all of them.
+            let b: [&B; R] = std::array::from_fn(|r| w[r].get_unchecked(i));
+            // One 32-bit load per row, one conversion for all rows' scales.
             let mut dm = [0i32; 4];
             for r in 0..R {
-                dm[r] = std::ptr::read_unaligned(b[r] as *const BlockQ4_1 as *const i32);
+                dm[r] = b[r].scales();
             }
             let dm = _mm256_cvtph_ps(_mm_loadu_si128(dm.as_ptr() as *const __m128i));
             let m = _mm256_permutevar8x32_ps(dm, pick_m);
-            let mut q = [_mm512_setzero_si512(); R];
+            let mut q = [zero; R];
+            let mut neg = [0 as __mmask64; R];
             let mut dv = [_mm512_setzero_ps(); R];
             for p in 0..R / 2 {
-                q[p] = _mm512_and_si512(unpack_pair(b[2 * p], b[2 * p + 1]), lowmask);
+                (q[p], neg[p]) = B::weights(b[2 * p], b[2 * p + 1]);
                 dv[p] = _mm512_permutexvar_ps(pick_d[p], _mm512_castps256_ps512(dm));
             }
             for n in 0..N {
@@ -329,11 +385,14 @@ pub mod avx512 {
                 let yq = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.qs.as_ptr() as *const __m256i));
                 let yd = _mm512_set1_ps(y.d);
                 for p in 0..R / 2 {
-                    let lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], yq);
+                    let ys = if B::SIGNED { _mm512_mask_sub_epi8(yq, neg[p], zero, yq) } else { yq };
+                    let lanes = _mm512_dpbusd_epi32(zero, q[p], ys);
                     acc[p][n] = _mm512_fmadd_ps(_mm512_mul_ps(dv[p], yd), _mm512_cvtepi32_ps(lanes), acc[p][n]);
                 }
-                // m * y.s, then the add: the scalar twin's two roundings.
-                summs[n] = _mm256_add_ps(summs[n], _mm256_mul_ps(m, _mm256_set1_ps(y.s)));
+                if B::MIN {
+                    // m * y.s, then the add: the scalar twin's two roundings.
+                    summs[n] = _mm256_add_ps(summs[n], _mm256_mul_ps(m, _mm256_set1_ps(y.s)));
+                }
             }
         }
         let mut out = [[0f32; N]; R];
@@ -343,22 +402,12 @@ pub mod avx512 {
             for p in 0..R / 2 {
                 let lo = _mm512_castps512_ps256(acc[p][n]);
                 let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][n]), 1));
-                out[2 * p][n] = hsum(lo) + sm[2 * p];
-                out[2 * p + 1][n] = hsum(hi) + sm[2 * p + 1];
+                // The AVX2 kernels add nothing for Q8_0: keep that (+0.0 could turn -0.0 into 0.0).
+                out[2 * p][n] = if B::MIN { hsum(lo) + sm[2 * p] } else { hsum(lo) };
+                out[2 * p + 1][n] = if B::MIN { hsum(hi) + sm[2 * p + 1] } else { hsum(hi) };
             }
         }
         out
-    }
-
-    /// Two rows' 4-bit values, unpacked as [`avx2::dot_q4_1`] does (low
-    /// nibbles, then high nibbles), one row per 256-bit half; not yet masked.
-    #[inline(always)]
-    unsafe fn unpack_pair(a: &BlockQ4_1, b: &BlockQ4_1) -> __m512i {
-        let ta = _mm_loadu_si128(a.qs.as_ptr() as *const __m128i);
-        let tb = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
-        let ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(ta, ta)), _mm256_set_m128i(tb, tb), 1);
-        // 128-bit lanes 1 and 3 take the high nibbles.
-        _mm512_mask_blend_epi64(0b1100_1100, ab, _mm512_srli_epi16(ab, 4))
     }
 }
 

@@ -210,11 +210,16 @@ unsafe fn dot_rows_into(
         }};
     }
     match (be, w.data) {
+        // Single columns (batch-1 decode) gain nothing from pairs of rows.
         #[cfg(target_arch = "x86_64")]
         (Backend::Avx512, QData::Q4_1(blocks)) => {
-            // Single columns (batch-1 decode) gain nothing from pairs of rows.
-            use dot::{avx2::dot_q4_1 as one, avx512::dot_q4_1_pairs as pairs};
-            sweep!(pairs, 4, 8, one, 4, one, blocks)
+            use dot::{avx2::dot_q4_1 as one, avx512::dot_pairs};
+            sweep!(dot_pairs::<BlockQ4_1, _, _>, 4, 8, one, 4, one, blocks)
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Backend::Avx512, QData::Q8_0(blocks)) => {
+            use dot::{avx2::dot_q8_0 as one, avx512::dot_pairs};
+            sweep!(dot_pairs::<BlockQ8_0, _, _>, 4, 8, one, 4, one, blocks)
         }
         #[cfg(target_arch = "x86_64")]
         (Backend::Avx2, QData::Q4_1(blocks)) => {
@@ -222,7 +227,7 @@ unsafe fn dot_rows_into(
             sweep!(f, 2, 4, f, 4, f, blocks)
         }
         #[cfg(target_arch = "x86_64")]
-        (Backend::Avx2 | Backend::Avx512, QData::Q8_0(blocks)) => {
+        (Backend::Avx2, QData::Q8_0(blocks)) => {
             use dot::avx2::dot_q8_0 as f;
             sweep!(f, 2, 4, f, 4, f, blocks)
         }
@@ -250,21 +255,27 @@ mod tests {
         let mut rng = Rng::new(5);
         for (rows, cols) in [(37usize, 96usize), (64, 576)] {
             let w = rng.normal_vec(rows * cols);
-            let mut wq = vec![BlockQ4_1::default(); rows * cols / QK];
-            quantize_q4_1(&w, &mut wq);
-            let m = QMatrix { rows, cols, data: QData::Q4_1(&wq) };
-            for batch in [1usize, 3, 4, 9, 33] {
+            let mut w41 = vec![BlockQ4_1::default(); rows * cols / QK];
+            quantize_q4_1(&w, &mut w41);
+            let mut w80 = vec![BlockQ8_0 { d: 0, qs: [0; QK] }; rows * cols / QK];
+            crate::quant::quantize_q8_0(&w, &mut w80);
+            let matrices = [QData::Q4_1(&w41), QData::Q8_0(&w80)].map(|data| QMatrix { rows, cols, data });
+            for (m, batch) in matrices.iter().flat_map(|m| [1usize, 3, 4, 9, 33].map(|b| (m, b))) {
                 let x = rng.normal_vec(batch * cols);
                 let run = |be: Backend| {
                     let mut qa = QActs::default();
                     quantize_rows(be, &pool, &x, batch, cols, &mut qa);
                     let mut out = vec![f32::NAN; batch * rows];
-                    matmul(be, &pool, &m, &qa, &mut out);
+                    matmul(be, &pool, m, &qa, &mut out);
                     out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
                 };
                 let want = run(Backend::Scalar);
                 for be in &here {
-                    assert!(run(*be) == want, "{be:?} differs from the scalar reference: {rows}x{cols}, batch {batch}");
+                    let kind = m.kind();
+                    assert!(
+                        run(*be) == want,
+                        "{be:?} differs from the scalar reference: {kind} {rows}x{cols}, batch {batch}"
+                    );
                 }
             }
         }
