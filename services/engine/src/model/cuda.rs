@@ -326,13 +326,16 @@ impl CudaModel {
     /// launch, ids copied back), the row's logits for the others.
     fn read_out(&self, logits: &CudaSlice<f32>, picks: &[bool], vocab: usize, spans: bool) -> Result<Vec<NextToken>> {
         let rows = picks.len();
-        let ids = if picks.iter().any(|p| *p) {
+        if !picks.iter().any(|p| *p) {
+            // Every row's logits: one copy, not one per row.
+            let all = self.gpu.download(logits).map_err(gpu_err)?;
+            return Ok(all.chunks_exact(vocab).map(|l| NextToken::Logits(l.to_vec())).collect());
+        }
+        let ids = {
             let mut ids = self.gpu.zeros::<i32>(rows).map_err(gpu_err)?;
             let k = Launches { gpu: &self.gpu, on: spans, rows };
             k.run("argmax", 0, rows, vocab, |g| g.argmax(logits, rows, vocab, &mut ids))?;
             self.gpu.download(&ids).map_err(gpu_err)?
-        } else {
-            Vec::new()
         };
         let row = |r: usize| {
             (self.gpu.stream.clone_dtoh(&logits.slice(r * vocab..(r + 1) * vocab)))
