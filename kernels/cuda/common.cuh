@@ -73,6 +73,10 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 
 __device__ __forceinline__ float round_f16(float x) { return h2f(f2h(x)); }
 
+// A block id from device data, kept inside an arena of n_blocks blocks (a
+// bad id reads a wrong block, never memory past the arena).
+__device__ __forceinline__ int clamp_block(int b, int n_blocks) { return b < 0 ? 0 : (b >= n_blocks ? n_blocks - 1 : b); }
+
 // One Q4_1 weight block against one Q8 activation block (matvec's inner step).
 __device__ __forceinline__ float block_dot_q4_1(const block_q4_1& w, const block_q8* x) {
   int q4[4];

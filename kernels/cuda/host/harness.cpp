@@ -68,10 +68,10 @@ int main(int argc, char** argv) {
     std::vector<float> out((size_t)n_tok * cols);
     if (what == "embed_q4_1") {
       auto table = load<block_q4_1>("table.bin");
-      launch(grid_for(out.size(), 128), block_of(128), [&] { embed_q4_1(table.data(), tokens.data(), out.data(), n_tok, cols); });
+      launch(grid_for(out.size(), 128), block_of(128), [&] { embed_q4_1(table.data(), tokens.data(), out.data(), n_tok, cols, (int)(table.size() / (cols / QK))); });
     } else {
       auto table = load<block_q8_0>("table.bin");
-      launch(grid_for(out.size(), 128), block_of(128), [&] { embed_q8_0(table.data(), tokens.data(), out.data(), n_tok, cols); });
+      launch(grid_for(out.size(), 128), block_of(128), [&] { embed_q8_0(table.data(), tokens.data(), out.data(), n_tok, cols, (int)(table.size() / (cols / QK))); });
     }
     save(out);
   } else if (what == "rope") {
@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
     std::vector<f16_bits> arena((size_t)n_blocks * block_size * n_layers * 2 * n_kv_heads * head_dim, 0);
     const long n = (long)n_rows * n_kv_heads * head_dim;
     launch(grid_for(n, 64), block_of(64), [&] {
-      kv_write(k.data(), v.data(), arena.data(), rb.data(), rs.data(), n_rows, layer, n_layers, n_kv_heads, head_dim, block_size);
+      kv_write(k.data(), v.data(), arena.data(), rb.data(), rs.data(), n_rows, layer, n_layers, n_kv_heads, head_dim, block_size, n_blocks);
     });
     save(arena);
   } else if (what == "silu_mul" || what == "add_into") {

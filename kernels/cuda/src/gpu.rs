@@ -6,11 +6,18 @@
 //!
 //! Buffers are `CudaSlice`s on the GPU's stream. Quantized blocks (weights
 //! straight from the model file, Q8 activations) travel as bytes.
+//!
+//! Every launch here is safe to call: it checks its counts against its
+//! buffers' lengths before launching ([`GpuError::Invalid`] otherwise), and
+//! ids that live on the device (tokens, KV blocks, positions) are guarded
+//! by the kernels themselves, which never read or write past a buffer.
+//! Failures are classified once ([`GpuErrorKind`]): out of memory, a lost
+//! device, no usable GPU, or a bad call.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 
 use crate::{compile, SOURCES};
 
@@ -71,8 +78,93 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
 }
 
-fn err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
-    move |e| format!("{what}: {e:?}")
+/// The class of a GPU failure, which decides what the worker does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuErrorKind {
+    /// No usable GPU: no driver or device, NVRTC missing, a kernel that did not compile.
+    Unavailable,
+    /// Device memory is exhausted; the device itself is fine.
+    OutOfMemory,
+    /// The device or its context is gone (a fault in a kernel, an ECC
+    /// error, a reset): nothing more can run in this process.
+    DeviceLost,
+    /// A call with counts that do not fit its buffers, or any other
+    /// driver refusal: a bug in the caller.
+    Invalid,
+}
+
+/// A GPU failure: its class and what was being done.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what}")]
+pub struct GpuError {
+    pub kind: GpuErrorKind,
+    pub what: String,
+}
+
+impl GpuError {
+    pub fn unavailable(what: impl Into<String>) -> GpuError {
+        GpuError { kind: GpuErrorKind::Unavailable, what: what.into() }
+    }
+
+    pub fn invalid(what: impl Into<String>) -> GpuError {
+        GpuError { kind: GpuErrorKind::Invalid, what: what.into() }
+    }
+
+    /// A driver error while doing `what`, classified by its code (named
+    /// from the code itself: `DriverError`'s Debug asks the driver).
+    pub fn driver(what: &str, e: DriverError) -> GpuError {
+        GpuError { kind: classify(e.0), what: format!("{what}: {:?}", e.0) }
+    }
+}
+
+/// The class of a driver result code. The sticky errors, after which the
+/// context cannot be used again, are a lost device.
+pub fn classify(code: cudarc::driver::sys::CUresult) -> GpuErrorKind {
+    use cudarc::driver::sys::CUresult as R;
+    match code {
+        R::CUDA_ERROR_OUT_OF_MEMORY => GpuErrorKind::OutOfMemory,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+        | R::CUDA_ERROR_LAUNCH_FAILED
+        | R::CUDA_ERROR_LAUNCH_TIMEOUT
+        | R::CUDA_ERROR_ECC_UNCORRECTABLE
+        | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+        | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+        | R::CUDA_ERROR_MISALIGNED_ADDRESS
+        | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+        | R::CUDA_ERROR_INVALID_PC
+        | R::CUDA_ERROR_ASSERT
+        | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
+        | R::CUDA_ERROR_DEINITIALIZED
+        | R::CUDA_ERROR_NO_DEVICE => GpuErrorKind::DeviceLost,
+        _ => GpuErrorKind::Invalid,
+    }
+}
+
+fn err(what: &str) -> impl Fn(DriverError) -> GpuError + '_ {
+    move |e| GpuError::driver(what, e)
+}
+
+/// `Invalid` unless `len >= need`: a launch's bounds check.
+fn fits(what: &str, buffer: &str, len: usize, need: usize) -> Result<(), GpuError> {
+    if len >= need {
+        return Ok(());
+    }
+    Err(GpuError::invalid(format!("{what}: {buffer} holds {len} values, the launch needs {need}")))
+}
+
+/// Bytes of one weight block of `ty` (32 values).
+pub fn weight_block_bytes(ty: WeightType) -> usize {
+    match ty {
+        WeightType::Q4_1 => 20,
+        WeightType::Q8_0 => 34,
+    }
+}
+
+fn blocks_per_row(what: &str, cols: usize) -> Result<usize, GpuError> {
+    if cols.is_multiple_of(32) {
+        return Ok(cols / 32);
+    }
+    Err(GpuError::invalid(format!("{what}: rows of {cols} values are not whole blocks of 32")))
 }
 
 /// The PTX target for a device of capability `cc` (its own, where known;
@@ -97,26 +189,27 @@ fn grid(n: usize, threads: u32) -> LaunchConfig {
 impl Gpu {
     /// Open GPU `ordinal` and load every kernel; an error says why not
     /// (no driver, no such device, NVRTC missing, a kernel that did not compile).
-    pub fn open(ordinal: usize, knobs: Knobs) -> Result<Gpu, String> {
+    pub fn open(ordinal: usize, knobs: Knobs) -> Result<Gpu, GpuError> {
         if !driver_present() {
-            return Err("no CUDA driver (libcuda.so) on this machine".into());
+            return Err(GpuError::unavailable("no CUDA driver (libcuda.so) on this machine"));
         }
         let count = CudaContext::device_count().map_err(err("counting CUDA devices"))?;
         if ordinal as i32 >= count {
-            return Err(format!("no CUDA device {ordinal}: this machine has {count}"));
+            return Err(GpuError::unavailable(format!("no CUDA device {ordinal}: this machine has {count}")));
         }
         let ctx = CudaContext::new(ordinal).map_err(err("creating the CUDA context"))?;
         let cc = ctx.compute_capability().map_err(err("reading the compute capability"))?;
         if cc < (6, 1) {
-            return Err(format!(
+            return Err(GpuError::unavailable(format!(
                 "CUDA device {ordinal} has compute capability {}.{}; the kernels need 6.1 (dp4a)",
                 cc.0, cc.1
-            ));
+            )));
         }
         let name = ctx.name().map_err(err("reading the device name"))?;
         let mut funcs = HashMap::new();
         for src in &SOURCES {
-            let module = ctx.load_module(compile(src, arch_for(cc))?).map_err(err(src.file))?;
+            let ptx = compile(src, arch_for(cc)).map_err(GpuError::unavailable)?;
+            let module = ctx.load_module(ptx).map_err(err(src.file))?;
             for k in src.kernels() {
                 funcs.insert(k, module.load_function(k).map_err(err(k))?);
             }
@@ -146,7 +239,10 @@ impl Gpu {
 
     /// Record the launches `f` makes into a graph that replays them (with
     /// the same buffers; write new inputs into those buffers before each replay).
-    pub fn capture(&self, f: impl FnOnce() -> Result<(), String>) -> Result<cudarc::driver::CudaGraph, String> {
+    pub fn capture<E: From<GpuError>>(
+        &self,
+        f: impl FnOnce() -> Result<(), E>,
+    ) -> Result<cudarc::driver::CudaGraph, E> {
         use cudarc::driver::sys;
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -154,25 +250,44 @@ impl Gpu {
         let recorded = f();
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(err("ending a graph capture"));
         recorded?;
-        graph?.ok_or_else(|| "the graph capture recorded nothing".to_string())
+        graph?.ok_or_else(|| GpuError::invalid("the graph capture recorded nothing").into())
     }
 
-    pub fn sync(&self) -> Result<(), String> {
+    /// Run `f`'s launches between two timing events; their device time in
+    /// ms. Timing never fails the work: where the events cannot be made or
+    /// read, the time is `None`. A fault in the launches themselves is
+    /// returned as it would be without timing.
+    pub fn timed<E: From<GpuError>>(&self, f: impl FnOnce(&Gpu) -> Result<(), E>) -> Result<Option<f32>, E> {
+        // Timing events: cudarc's `new_event(None)` makes events without
+        // timing, whose elapsed time is INVALID_HANDLE.
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags).ok().filter(|a| a.record(&self.stream).is_ok());
+        f(self)?;
+        let Some(start) = start else { return Ok(None) };
+        let Some(end) = self.ctx.new_event(flags).ok().filter(|b| b.record(&self.stream).is_ok()) else {
+            return Ok(None);
+        };
+        // Waiting on the end event is where a fault in the launches shows.
+        end.synchronize().map_err(err("running the timed launches"))?;
+        Ok(start.elapsed_ms(&end).ok())
+    }
+
+    pub fn sync(&self) -> Result<(), GpuError> {
         self.stream.synchronize().map_err(err("synchronizing"))
     }
 
-    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, String> {
+    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, GpuError> {
         self.stream.clone_htod(host).map_err(err("copying to the GPU"))
     }
 
-    pub fn download<T: cudarc::driver::DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>, String> {
+    pub fn download<T: cudarc::driver::DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>, GpuError> {
         self.stream.clone_dtoh(dev).map_err(err("copying from the GPU"))
     }
 
     pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         n: usize,
-    ) -> Result<CudaSlice<T>, String> {
+    ) -> Result<CudaSlice<T>, GpuError> {
         self.stream.alloc_zeros(n).map_err(err("allocating GPU memory"))
     }
 
@@ -185,15 +300,20 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         n_tok: usize,
         cols: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         let name = match ty {
             WeightType::Q4_1 => "embed_q4_1",
             WeightType::Q8_0 => "embed_q8_0",
         };
+        let row_bytes = blocks_per_row(name, cols)? * weight_block_bytes(ty);
+        fits(name, "tokens", tokens.len(), n_tok)?;
+        fits(name, "out", out.len(), n_tok * cols)?;
+        let vocab = (table.len() / row_bytes) as i32;
         let (n, c) = (n_tok as i32, cols as i32);
         let mut b = self.stream.launch_builder(self.f(name));
-        b.arg(table).arg(tokens).arg(out).arg(&n).arg(&c);
-        // SAFETY: the kernel reads n_tok * cols values within the buffers' sizes.
+        b.arg(table).arg(tokens).arg(out).arg(&n).arg(&c).arg(&vocab);
+        // SAFETY: checked above: n_tok tokens, n_tok * cols outputs; the
+        // kernel reads only rows below `vocab`, which the table holds.
         unsafe { b.launch(self.note(grid(n_tok * cols, 256))) }.map(drop).map_err(err(name))
     }
 
@@ -206,18 +326,24 @@ impl Gpu {
         rows: usize,
         cols: usize,
         eps: f32,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
+        fits("rms_norm", "x", x.len(), rows * cols)?;
+        fits("rms_norm", "out", out.len(), rows * cols)?;
+        fits("rms_norm", "weight", w.len(), cols)?;
         let c = cols as i32;
         let mut b = self.stream.launch_builder(self.f("rms_norm"));
         b.arg(x).arg(w).arg(out).arg(&c).arg(&eps);
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: one CTA per row, reads and writes `cols` values of it.
+        // SAFETY: checked above: one CTA per row reads and writes `cols` values of it.
         unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("rms_norm"))
     }
 
     /// `x` (a multiple of 32 values) into Q8 blocks (`Q8_BLOCK_BYTES` each).
-    pub fn quantize_q8(&self, x: &CudaSlice<f32>, out: &mut CudaSlice<u8>, n_values: usize) -> Result<(), String> {
-        let n_blocks = (n_values / 32) as i32;
+    pub fn quantize_q8(&self, x: &CudaSlice<f32>, out: &mut CudaSlice<u8>, n_values: usize) -> Result<(), GpuError> {
+        let n_blocks = blocks_per_row("quantize_q8", n_values)?;
+        fits("quantize_q8", "x", x.len(), n_values)?;
+        fits("quantize_q8", "out (bytes)", out.len(), n_blocks * Q8_BLOCK_BYTES)?;
+        let n_blocks = n_blocks as i32;
         let mut b = self.stream.launch_builder(self.f("quantize_q8"));
         b.arg(x).arg(out).arg(&n_blocks);
         let warps_per_cta = 8;
@@ -226,7 +352,7 @@ impl Gpu {
             block_dim: (32 * warps_per_cta, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one warp per block of 32 values, within both buffers.
+        // SAFETY: checked above: one warp per block of 32 values, within both buffers.
         unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("quantize_q8"))
     }
 
@@ -242,12 +368,15 @@ impl Gpu {
         rows: usize,
         cols: usize,
         n_tok: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         let name = match ty {
             WeightType::Q4_1 => "matvec_q4_1",
             WeightType::Q8_0 => "matvec_q8_0",
         };
-        let bpr = cols / 32;
+        let bpr = blocks_per_row(name, cols)?;
+        fits(name, "weights (bytes)", w.len(), rows * bpr * weight_block_bytes(ty))?;
+        fits(name, "x (bytes)", x.len(), n_tok * bpr * Q8_BLOCK_BYTES)?;
+        fits(name, "y", y.len(), n_tok * rows)?;
         let rpc = self.knobs.rows_per_cta;
         let cfg = LaunchConfig {
             grid_dim: ((rows as u32).div_ceil(rpc), 1, 1),
@@ -261,7 +390,8 @@ impl Gpu {
             let (r, b_) = (rows as i32, bpr as i32);
             let mut b = self.stream.launch_builder(self.f(name));
             b.arg(w).arg(&xs).arg(&mut ys).arg(&r).arg(&b_).arg(&n);
-            // SAFETY: reads `n` tokens' blocks of x and writes `n` rows of y from their offsets.
+            // SAFETY: checked above: `rows` weight rows, and `n` tokens' blocks
+            // of x and rows of y from these offsets, lie in the buffers.
             unsafe { b.launch(self.note(cfg)) }.map_err(err(name))?;
         }
         Ok(())
@@ -278,11 +408,16 @@ impl Gpu {
         head_dim: usize,
         dims: usize,
         base: f32,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
+        fits("rope", "x", x.len(), n_rows * n_heads * head_dim)?;
+        fits("rope", "pos", pos.len(), n_rows)?;
+        if dims > head_dim || !dims.is_multiple_of(2) {
+            return Err(GpuError::invalid(format!("rope: {dims} rotated dims of a {head_dim}-wide head")));
+        }
         let a = [n_rows as i32, n_heads as i32, head_dim as i32, dims as i32];
         let mut b = self.stream.launch_builder(self.f("rope"));
         b.arg(x).arg(pos).arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&a[3]).arg(&base);
-        // SAFETY: one thread per (row, head, pair) within x.
+        // SAFETY: checked above: one thread per (row, head, pair) within x.
         unsafe { b.launch(self.note(grid(n_rows * n_heads * dims / 2, 128))) }.map(drop).map_err(err("rope"))
     }
 
@@ -298,7 +433,13 @@ impl Gpu {
         n_rows: usize,
         layer: usize,
         shape: KvShape,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
+        let kvd = shape.n_kv_heads * shape.head_dim;
+        fits("kv_write", "k", k.len(), n_rows * kvd)?;
+        fits("kv_write", "v", v.len(), n_rows * kvd)?;
+        fits("kv_write", "row_block", row_block.len(), n_rows)?;
+        fits("kv_write", "row_slot", row_slot.len(), n_rows)?;
+        let n_blocks = shape.blocks_in(arena.len(), layer)?;
         let a = [
             n_rows as i32,
             layer as i32,
@@ -306,13 +447,16 @@ impl Gpu {
             shape.n_kv_heads as i32,
             shape.head_dim as i32,
             shape.block_size as i32,
+            n_blocks as i32,
         ];
         let mut b = self.stream.launch_builder(self.f("kv_write"));
         b.arg(k).arg(v).arg(arena).arg(row_block).arg(row_slot);
         for x in &a {
             b.arg(x);
         }
-        // SAFETY: one thread per (row, kv head, dim); blocks named by row_block lie in the arena.
+        // SAFETY: checked above: one thread per (row, kv head, dim) within
+        // k, v and the row tables; the kernel skips a row whose block or
+        // slot lies outside the arena's `n_blocks`.
         unsafe { b.launch(self.note(grid(n_rows * shape.n_kv_heads * shape.head_dim, 128))) }
             .map(drop)
             .map_err(err("kv_write"))
@@ -330,7 +474,23 @@ impl Gpu {
         layer: usize,
         shape: KvShape,
         scale: f32,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
+        let width = n_heads * shape.head_dim;
+        fits("attention", "q", q.len(), rows.n * width)?;
+        fits("attention", "out", out.len(), rows.n * width)?;
+        fits("attention", "pos", rows.pos.len(), rows.n)?;
+        fits("attention", "table_start", rows.table_start.len(), rows.n)?;
+        if shape.n_kv_heads == 0 || !n_heads.is_multiple_of(shape.n_kv_heads) {
+            return Err(GpuError::invalid(format!("attention: {n_heads} heads over {} KV heads", shape.n_kv_heads)));
+        }
+        let n_blocks = shape.blocks_in(arena.len(), layer)?;
+        let shared = (rows.max_ctx + shape.head_dim) * 4;
+        if shared > 48 * 1024 {
+            return Err(GpuError::invalid(format!(
+                "attention: {} positions need {shared} bytes of shared memory",
+                rows.max_ctx
+            )));
+        }
         let a = [
             n_heads as i32,
             shape.n_kv_heads as i32,
@@ -339,36 +499,46 @@ impl Gpu {
             shape.n_layers as i32,
             layer as i32,
         ];
+        let guards = [rows.max_ctx as i32, rows.tables.len() as i32, n_blocks as i32];
         let mut b = self.stream.launch_builder(self.f("attention"));
         b.arg(q).arg(out).arg(arena).arg(&rows.pos).arg(&rows.table_start).arg(&rows.tables);
         for x in &a {
             b.arg(x);
         }
         b.arg(&scale);
+        for x in &guards {
+            b.arg(x);
+        }
         let cfg = LaunchConfig {
             grid_dim: (rows.n as u32, n_heads as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: ((rows.max_ctx + shape.head_dim) * 4) as u32,
+            shared_mem_bytes: shared as u32,
         };
-        // SAFETY: each CTA reads positions 0..=pos of its row through its block table.
+        // SAFETY: checked above: each CTA's query and output rows lie in q
+        // and out; the kernel bounds a row's positions by max_ctx (the
+        // shared memory) and by its table, and keeps block ids in the arena.
         unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("attention"))
     }
 
     /// gate = silu(gate) * up.
-    pub fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> Result<(), String> {
+    pub fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> Result<(), GpuError> {
+        fits("silu_mul", "gate", gate.len(), n)?;
+        fits("silu_mul", "up", up.len(), n)?;
         let n_ = n as i64;
         let mut b = self.stream.launch_builder(self.f("silu_mul"));
         b.arg(gate).arg(up).arg(&n_);
-        // SAFETY: one thread per value.
+        // SAFETY: checked above: one thread per value, within both buffers.
         unsafe { b.launch(self.note(grid(n, 256))) }.map(drop).map_err(err("silu_mul"))
     }
 
     /// x += y.
-    pub fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<(), String> {
+    pub fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<(), GpuError> {
+        fits("add_into", "x", x.len(), n)?;
+        fits("add_into", "y", y.len(), n)?;
         let n_ = n as i64;
         let mut b = self.stream.launch_builder(self.f("add_into"));
         b.arg(x).arg(y).arg(&n_);
-        // SAFETY: one thread per value.
+        // SAFETY: checked above: one thread per value, within both buffers.
         unsafe { b.launch(self.note(grid(n, 256))) }.map(drop).map_err(err("add_into"))
     }
 
@@ -379,12 +549,14 @@ impl Gpu {
         rows: usize,
         vocab: usize,
         out: &mut CudaSlice<i32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
+        fits("argmax", "logits", logits.len(), rows * vocab)?;
+        fits("argmax", "out", out.len(), rows)?;
         let v = vocab as i32;
         let mut b = self.stream.launch_builder(self.f("argmax"));
         b.arg(logits).arg(&v).arg(out);
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: one CTA per row of `vocab` logits.
+        // SAFETY: checked above: one CTA per row of `vocab` logits, one output each.
         unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("argmax"))
     }
 
@@ -397,12 +569,15 @@ impl Gpu {
         temperature: f32,
         u: &CudaSlice<f32>,
         out: &mut CudaSlice<i32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
+        fits("sample_temperature", "logits", logits.len(), rows * vocab)?;
+        fits("sample_temperature", "u", u.len(), rows)?;
+        fits("sample_temperature", "out", out.len(), rows)?;
         let v = vocab as i32;
         let mut b = self.stream.launch_builder(self.f("sample_temperature"));
         b.arg(logits).arg(&v).arg(&temperature).arg(u).arg(out);
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: one CTA per row of `vocab` logits.
+        // SAFETY: checked above: one CTA per row of `vocab` logits, one output each.
         unsafe { b.launch(self.note(cfg)) }.map(drop).map_err(err("sample_temperature"))
     }
 }
@@ -416,6 +591,22 @@ pub struct KvShape {
     pub block_size: usize,
 }
 
+impl KvShape {
+    /// Values (f16) in one block: every layer's keys and values.
+    pub fn block_elems(&self) -> usize {
+        self.block_size * self.n_layers * 2 * self.n_kv_heads * self.head_dim
+    }
+
+    /// Whole blocks in an arena of `len` values, checking `layer` is one of
+    /// the shape's (a launch's bounds check).
+    fn blocks_in(&self, len: usize, layer: usize) -> Result<usize, GpuError> {
+        if layer >= self.n_layers || self.block_elems() == 0 {
+            return Err(GpuError::invalid(format!("layer {layer} of a {}-layer KV shape", self.n_layers)));
+        }
+        Ok((len / self.block_elems()).min(i32::MAX as usize))
+    }
+}
+
 /// Where each query row of an attention launch is: its position, and its
 /// sequence's block table (an offset into `tables`).
 pub struct AttentionRows {
@@ -425,4 +616,36 @@ pub struct AttentionRows {
     pub tables: CudaSlice<i32>,
     /// The longest context of any row (sizes the shared memory).
     pub max_ctx: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult as R;
+
+    #[test]
+    fn driver_errors_are_classified_by_what_the_worker_must_do() {
+        assert_eq!(classify(R::CUDA_ERROR_OUT_OF_MEMORY), GpuErrorKind::OutOfMemory);
+        for lost in [R::CUDA_ERROR_ILLEGAL_ADDRESS, R::CUDA_ERROR_LAUNCH_FAILED, R::CUDA_ERROR_ECC_UNCORRECTABLE] {
+            assert_eq!(classify(lost), GpuErrorKind::DeviceLost, "{lost:?}");
+        }
+        assert_eq!(classify(R::CUDA_ERROR_INVALID_VALUE), GpuErrorKind::Invalid);
+        let e = GpuError::driver("copying", DriverError(R::CUDA_ERROR_OUT_OF_MEMORY));
+        assert_eq!(e.kind, GpuErrorKind::OutOfMemory);
+        assert_eq!(e.what, "copying: CUDA_ERROR_OUT_OF_MEMORY");
+    }
+
+    #[test]
+    fn launch_bounds_are_checked_before_any_launch() {
+        assert!(fits("matvec_q4_1", "y", 10, 10).is_ok());
+        let e = fits("matvec_q4_1", "y", 9, 10).unwrap_err();
+        assert_eq!(e.kind, GpuErrorKind::Invalid);
+        assert!(e.what.contains("y holds 9 values, the launch needs 10"), "{}", e.what);
+        assert_eq!(blocks_per_row("quantize_q8", 576).unwrap(), 18);
+        assert!(blocks_per_row("quantize_q8", 577).is_err());
+        // SmolLM2-135M's arena: 30 layers, 3 KV heads of 64, 16 slots a block.
+        let shape = KvShape { n_layers: 30, n_kv_heads: 3, head_dim: 64, block_size: 16 };
+        assert_eq!(shape.blocks_in(shape.block_elems() * 5 + 7, 29).unwrap(), 5);
+        assert!(shape.blocks_in(shape.block_elems(), 30).is_err(), "layer 30 of 30");
+    }
 }

@@ -18,7 +18,7 @@ fn gpu(test: &str) -> Option<Gpu> {
     match Gpu::open(0, Knobs::default()) {
         Ok(g) => Some(g),
         Err(why) => {
-            pdmesh_testkit::skip(test, &why);
+            pdmesh_testkit::skip(test, &why.to_string());
             None
         }
     }

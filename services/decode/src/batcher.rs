@@ -143,6 +143,7 @@ impl Batcher {
                     running: Vec::new(),
                     prefilling: VecDeque::new(),
                     reserved: Default::default(),
+                    lost: false,
                 }
                 .run(rx)
             })
@@ -265,6 +266,8 @@ struct Loop {
     prefilling: VecDeque<Prefilling>,
     /// Blocks of sequences reserved but not started.
     reserved: HashMap<SeqId, u32>,
+    /// The GPU was lost in a step: the loop stops (the worker leaves service).
+    lost: bool,
 }
 
 fn reason(f: FinishReason) -> i32 {
@@ -308,6 +311,10 @@ impl Loop {
                 self.step();
             }
             self.publish();
+            if self.lost {
+                eprintln!("pdmesh-decode: the GPU is lost; the engine loop stops and the worker leaves service");
+                return;
+            }
         }
     }
 
@@ -555,16 +562,18 @@ impl Loop {
         match result {
             Ok(done) => self.after_step(done),
             Err(e) => {
-                // A step failure is a bug, not bad input: end every running
-                // request with it rather than retrying forever.
-                let st = pdmesh_worker::status(&e);
-                let why =
-                    || Status::from(crate::error::Error::Internal(format!("decode step failed: {}", st.message())));
+                // Never bad input: end every request in the step with it
+                // rather than retrying forever. A lost GPU ends the waiting
+                // ones too, and the loop.
+                let e = pdmesh_worker::step_error("decode step", &e);
+                self.lost = pdmesh_worker::is_fatal(&e);
+                let waiting = if self.lost { std::mem::take(&mut self.ready) } else { VecDeque::new() };
                 let ended: Vec<(SeqId, Events)> = (self.running.drain(..).map(|s| (s.id, s.events.clone())))
                     .chain(self.prefilling.drain(..).map(|p| (p.id, p.events)))
+                    .chain(waiting.into_iter().map(|s| (s.id, s.events.clone())))
                     .collect();
                 for (id, events) in ended {
-                    self.end_with(id, &events, why());
+                    self.end_with(id, &events, pdmesh_worker::status(&e));
                 }
             }
         }

@@ -43,6 +43,29 @@ pub enum EngineError {
     /// The worker's queue is at its bound: another worker may have room.
     #[error("overloaded: {0}")]
     Overloaded(String),
+    /// GPU memory is exhausted for this step; the device is fine and the
+    /// worker stays up (RESOURCE_EXHAUSTED: another worker may have room).
+    #[error("GPU out of memory: {0}")]
+    DeviceOutOfMemory(String),
+    /// The GPU or its context is gone: nothing more can run here, and the
+    /// worker takes itself out of service.
+    #[error("GPU lost: {0}")]
+    DeviceLost(String),
+}
+
+/// A GPU failure, by its class: no usable GPU is `Unavailable`, a bad call
+/// is a failed step (a bug).
+impl From<pdmesh_cuda::gpu::GpuError> for EngineError {
+    fn from(e: pdmesh_cuda::gpu::GpuError) -> EngineError {
+        use pdmesh_cuda::gpu::GpuErrorKind as K;
+        let what = format!("CUDA: {}", e.what);
+        match e.kind {
+            K::Unavailable => EngineError::Unavailable(what),
+            K::OutOfMemory => EngineError::DeviceOutOfMemory(what),
+            K::DeviceLost => EngineError::DeviceLost(what),
+            K::Invalid => EngineError::StepFailed(what),
+        }
+    }
 }
 
 impl EngineError {
@@ -66,6 +89,8 @@ impl EngineError {
             EngineError::StepFailed(_) => "step_failed",
             EngineError::DeadlineExceeded(_) => "deadline_exceeded",
             EngineError::Overloaded(_) => "overloaded",
+            EngineError::DeviceOutOfMemory(_) => "device_out_of_memory",
+            EngineError::DeviceLost(_) => "device_lost",
         }
     }
 

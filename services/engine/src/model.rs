@@ -25,6 +25,7 @@ use crate::gguf::{Gguf, TensorType};
 use crate::kv::KvCache;
 
 pub mod cuda;
+pub mod reference;
 
 /// A quantized matrix (rows = output features) living in the model file's
 /// memory map: weights are never copied, so resident memory holds them once.

@@ -7,7 +7,10 @@
 
 mod common;
 
+use std::sync::{Arc, Mutex};
+
 use common::{golden, greedy, ids, load, prompt_logits};
+use pdmesh_engine::model::{kernel_attr, StepOptions};
 use pdmesh_engine::{ComputeBackend, EngineOptions};
 
 /// Logits closer than this at the top are a near-tie.
@@ -107,4 +110,105 @@ fn cuda_device_picked_tokens_equal_the_hosts_argmax_of_the_same_logits() {
         let sampled = gpu.engine.generate_all(&prompts, &greedy(24), 8).unwrap();
         assert_eq!(picked, sampled, "device argmax differs from the host's (graphs {graphs})");
     }
+}
+
+/// Kernel spans as a subscriber sees them: each one's name and device time.
+#[derive(Clone, Default)]
+struct KernelSpans(Arc<Mutex<Vec<(String, Option<f64>)>>>);
+
+struct DeviceMs(Option<f64>, String);
+
+impl tracing::field::Visit for DeviceMs {
+    fn record_f64(&mut self, f: &tracing::field::Field, v: f64) {
+        if f.name() == kernel_attr::DEVICE_MS {
+            self.0 = Some(v);
+        }
+    }
+
+    fn record_str(&mut self, f: &tracing::field::Field, v: &str) {
+        if f.name() == "otel.name" {
+            self.1 = v.to_string();
+        }
+    }
+
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+}
+
+impl<S> tracing_subscriber::Layer<S> for KernelSpans
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        a: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if a.metadata().name() != kernel_attr::SPAN {
+            return;
+        }
+        let mut v = DeviceMs(None, String::new());
+        a.record(&mut v);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(Mutex::new(v));
+        }
+    }
+
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        r: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if let Some(span) = ctx.span(id) {
+            if let Some(v) = span.extensions().get::<Mutex<DeviceMs>>() {
+                r.record(&mut *v.lock().unwrap_or_else(|e| e.into_inner()));
+            }
+        }
+    }
+
+    fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        if let Some(span) = ctx.span(&id) {
+            if let Some(v) = span.extensions().get::<Mutex<DeviceMs>>() {
+                let v = v.lock().unwrap_or_else(|e| e.into_inner());
+                self.0.lock().unwrap_or_else(|e| e.into_inner()).push((v.1.clone(), v.0));
+            }
+        }
+    }
+}
+
+/// A traced step (kernel spans on, a subscriber taking every span, as an
+/// exporter does) runs, and every launch's span carries its device time.
+/// The first GPU run failed every such step: cudarc's `new_event(None)`
+/// makes events without timing.
+#[test]
+fn cuda_traced_steps_record_device_time_on_every_kernel_span() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let Some(mut gpu) = gpu_engine("cuda_traced_steps_record_device_time_on_every_kernel_span") else { return };
+    let seen = KernelSpans::default();
+    let subscriber = tracing_subscriber::registry().with(seen.clone());
+    let prompt = ids(&golden()[0]["chat_ids"]);
+    tracing::subscriber::with_default(subscriber, || {
+        let _step = tracing::info_span!("decode_step").entered();
+        let e = &mut gpu.engine;
+        let id = e.add_sequence(prompt.clone(), greedy(4)).unwrap();
+        let traced = StepOptions { kernel_spans: true };
+        // The prompt's step, then decode steps (which would replay graphs untraced).
+        for _ in 0..4 {
+            for (sid, next) in e.forward_some(&[(id, e.pending(id).unwrap().max(1))], traced).unwrap() {
+                e.accept(sid, &next).unwrap();
+            }
+        }
+        e.release(id).unwrap();
+    });
+    let spans = seen.0.lock().unwrap();
+    assert!(spans.len() > 30 * 4, "only {} kernel spans", spans.len());
+    let untimed: Vec<&String> = spans.iter().filter(|(_, ms)| !ms.is_some_and(|m| m > 0.0)).map(|(n, _)| n).collect();
+    let first: Vec<&&String> = untimed.iter().take(5).collect();
+    assert!(
+        untimed.is_empty(),
+        "{} of {} kernel spans without device time, first {first:?}",
+        untimed.len(),
+        spans.len()
+    );
 }

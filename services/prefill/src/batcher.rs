@@ -154,6 +154,7 @@ impl Batcher {
                     pinned: Default::default(),
                     active: Vec::new(),
                     token_s: 0.0,
+                    lost: None,
                 })
             })
             .expect("spawn prefill loop");
@@ -173,7 +174,7 @@ impl Batcher {
         let (reply, rx) = oneshot::channel();
         {
             let mut g = self.q.state.lock().unwrap_or_else(|e| e.into_inner());
-            if !self.alive.is_alive() {
+            if g.stop || !self.alive.is_alive() {
                 return Err(EngineError::Unavailable("the prefill loop has stopped".into()));
             }
             if g.jobs.len() >= self.max_queue {
@@ -290,6 +291,8 @@ struct Loop {
     /// Seconds per computed prompt token, smoothed over steps (for the
     /// deadline check).
     token_s: f64,
+    /// The GPU was lost in a step: the loop stops (the worker leaves service).
+    lost: Option<EngineError>,
 }
 
 fn run(mut l: Loop) {
@@ -302,6 +305,10 @@ fn run(mut l: Loop) {
             l.step();
         }
         l.publish();
+        if let Some(e) = l.lost.take() {
+            l.leave(&e);
+            return;
+        }
     }
 }
 
@@ -493,7 +500,25 @@ impl Loop {
         self.active = keep;
         for a in failed {
             let _ = self.engine.release(a.id);
-            let _ = a.job.reply.send(Err(EngineError::StepFailed(format!("prefill: {e}"))));
+            let _ = a.job.reply.send(Err(pdmesh_worker::step_error("prefill", e)));
+        }
+        if pdmesh_worker::is_fatal(e) {
+            self.lost = Some(pdmesh_worker::step_error("prefill", e));
+        }
+    }
+
+    /// The GPU is lost: every prompt still here or queued gets the error,
+    /// and the queue takes no more (the loop then stops).
+    fn leave(&mut self, e: &EngineError) {
+        eprintln!("pdmesh-prefill: the GPU is lost; the engine loop stops and the worker leaves service");
+        for a in std::mem::take(&mut self.active) {
+            let _ = self.engine.release(a.id);
+            let _ = a.job.reply.send(Err(pdmesh_worker::step_error("prefill", e)));
+        }
+        let mut g = self.q.state.lock().unwrap_or_else(|p| p.into_inner());
+        g.stop = true;
+        for j in g.jobs.drain(..) {
+            let _ = j.reply.send(Err(pdmesh_worker::step_error("prefill", e)));
         }
     }
 

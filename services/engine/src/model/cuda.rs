@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use pdmesh_cuda::gpu::{AttentionRows, Gpu, Knobs, KvShape, WeightType, Q8_BLOCK_BYTES};
+use pdmesh_cuda::gpu::{AttentionRows, Gpu, GpuError, Knobs, KvShape, WeightType, Q8_BLOCK_BYTES};
 
 use super::{BatchItem, Model, StepOptions, Weight};
 use crate::error::{EngineError, Result};
@@ -22,8 +22,13 @@ use crate::kv::{KvBlob, KvCache, KvLayout};
 use crate::sampler::NextToken;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-fn gpu_err(e: String) -> EngineError {
-    EngineError::Unavailable(format!("CUDA: {e}"))
+fn gpu_err(e: GpuError) -> EngineError {
+    EngineError::from(e)
+}
+
+/// A driver error while doing `what`, classified ([`GpuError::driver`]).
+fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> EngineError + '_ {
+    move |e| EngineError::from(GpuError::driver(what, e))
 }
 
 struct DevWeight {
@@ -179,7 +184,7 @@ impl Rows {
     /// Write `d` (the same shape as at upload) into these buffers.
     fn write(&mut self, g: &Gpu, d: &RowData) -> Result<()> {
         let w = |v: &[i32], dst: &mut CudaSlice<i32>| {
-            g.stream.memcpy_htod(v, dst).map_err(|e| gpu_err(format!("writing a step's rows: {e:?}")))
+            g.stream.memcpy_htod(v, dst).map_err(driver_err("writing a step's rows"))
         };
         w(&d.tokens, &mut self.tokens)?;
         w(&d.pos, &mut self.pos)?;
@@ -304,7 +309,8 @@ impl CudaModel {
         }
         let decode_only = batch.iter().all(|b| b.tokens.len() == 1 && b.logits);
         let fits = (self.context + m.config.head_dim) * 4 <= 48 * 1024;
-        if self.use_graphs && decode_only && fits && !opts.kernel_spans && n_tok <= MAX_GRAPH_ROWS {
+        let eager = opts.kernel_spans || m.dump_dir.is_some();
+        if self.use_graphs && decode_only && fits && !eager && n_tok <= MAX_GRAPH_ROWS {
             self.forward_graph(m, batch)?;
             let dg = &self.graphs[&n_tok];
             return self.read_out(&dg.logits, picks, m.config.vocab_size, false);
@@ -339,7 +345,7 @@ impl CudaModel {
         };
         let row = |r: usize| {
             (self.gpu.stream.clone_dtoh(&logits.slice(r * vocab..(r + 1) * vocab)))
-                .map_err(|e| gpu_err(format!("copying logits to the host: {e:?}")))
+                .map_err(driver_err("copying logits to the host"))
         };
         (0..rows)
             .map(|r| Ok(if picks[r] { NextToken::Picked(ids[r] as u32) } else { NextToken::Logits(row(r)?) }))
@@ -361,7 +367,7 @@ impl CudaModel {
             self.gpu
                 .stream
                 .memcpy_dtoh(&self.arena.slice(at), kv.block_bits_mut(*b))
-                .map_err(|x| gpu_err(format!("copying KV block {b} to the host: {x:?}")))?;
+                .map_err(driver_err(&format!("copying KV block {b} to the host")))?;
         }
         self.gpu.sync().map_err(gpu_err)
     }
@@ -383,7 +389,7 @@ impl CudaModel {
         self.scratch = Some(s);
         let dg = self.graphs.get_mut(&n).expect("captured above");
         dg.rows.write(&self.gpu, &data)?;
-        dg.graph.0.launch().map_err(|e| gpu_err(format!("replaying the decode graph: {e:?}")))
+        dg.graph.0.launch().map_err(driver_err("replaying the decode graph"))
     }
 
     /// Capture the decode step for `data`'s rows (its launches record, they do not run).
@@ -395,9 +401,7 @@ impl CudaModel {
         let CudaModel { gpu, layers, arena, tok_embd, output, output_norm, .. } = self;
         let k = Launches { gpu, on: false, rows: n };
         let head = (&*tok_embd, output.as_ref(), &*output_norm);
-        let graph = gpu
-            .capture(|| step(&k, layers, arena, head, shape, m, &rows, s, &mut logits).map_err(|e| e.to_string()))
-            .map_err(gpu_err)?;
+        let graph = gpu.capture(|| step(&k, layers, arena, head, shape, m, &rows, s, &mut logits))?;
         self.graphs.insert(n, DecodeGraph { rows, logits, graph: Graph(graph) });
         Ok(())
     }
@@ -413,7 +417,7 @@ impl CudaModel {
             self.gpu
                 .stream
                 .memcpy_dtoh(&self.arena.slice(at), dst)
-                .map_err(|x| gpu_err(format!("copying KV block {b} to the host: {x:?}")))?;
+                .map_err(driver_err(&format!("copying KV block {b} to the host")))?;
         }
         self.gpu.sync().map_err(gpu_err)?;
         let bytes = bits.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -429,7 +433,7 @@ impl CudaModel {
             self.gpu
                 .stream
                 .memcpy_htod(src, &mut self.arena.slice_mut(at))
-                .map_err(|x| gpu_err(format!("copying KV block {b} to the GPU: {x:?}")))?;
+                .map_err(driver_err(&format!("copying KV block {b} to the GPU")))?;
         }
         Ok(())
     }
@@ -452,7 +456,7 @@ impl CudaModel {
                         let (mut a, b) = self.arena.split_at_mut(s0);
                         self.gpu.stream.memcpy_dtod(&b.slice(0..len), &mut a.slice_mut(d0..d0 + len))
                     };
-                    copied.map_err(|x| gpu_err(format!("copying cached KV positions: {x:?}")))?;
+                    copied.map_err(driver_err("copying cached KV positions"))?;
                 }
             }
         }
@@ -477,7 +481,7 @@ impl Launches<'_> {
         layer: usize,
         n: usize,
         k: usize,
-        f: impl FnOnce(&Gpu) -> std::result::Result<(), String>,
+        f: impl FnOnce(&Gpu) -> std::result::Result<(), GpuError>,
     ) -> Result<()> {
         if !self.on {
             return f(self.gpu).map_err(gpu_err);
@@ -497,13 +501,10 @@ impl Launches<'_> {
             { ka::DEVICE_MS } = tracing::field::Empty,
         )
         .entered();
-        let timed = |e: cudarc::driver::DriverError| gpu_err(format!("timing {name}: {e:?}"));
-        let (a, b) = (self.gpu.ctx.new_event(None).map_err(timed)?, self.gpu.ctx.new_event(None).map_err(timed)?);
-        a.record(&self.gpu.stream).map_err(timed)?;
-        f(self.gpu).map_err(gpu_err)?;
-        b.record(&self.gpu.stream).map_err(timed)?;
-        b.synchronize().map_err(timed)?;
-        span.record(ka::DEVICE_MS, a.elapsed_ms(&b).map_err(timed)? as f64);
+        // Timing that cannot be had leaves the field empty; it never fails the step.
+        if let Some(ms) = self.gpu.timed(f).map_err(gpu_err)? {
+            span.record(ka::DEVICE_MS, ms as f64);
+        }
         if let Some(c) = self.gpu.last_launch() {
             let (g, b) = (c.grid_dim, c.block_dim);
             span.record(ka::GRID, format!("{},{},{}", g.0, g.1, g.2));
@@ -542,8 +543,19 @@ fn step(
     for (li, l) in layers.iter().enumerate() {
         attention_block(k, l, li, arena, shape, m, rows, s)?;
         ffn_block(k, l, li, m, s)?;
+        dump_layer(k.gpu, m, li, &s.x, n * d)?;
     }
     output_head(k, embd, output, output_norm, m, rows, s, logits)
+}
+
+/// Debugging (`Model::with_dump_dir`; never in a graph): the residual
+/// stream after layer `li`, as the CPU path dumps it (`l_out-N`).
+fn dump_layer(g: &Gpu, m: &Model, li: usize, x: &CudaSlice<f32>, len: usize) -> Result<()> {
+    if let Some(dir) = &m.dump_dir {
+        let host = g.download(x).map_err(gpu_err)?;
+        super::dump_tensor(dir, &format!("l_out-{li}"), &host[..len]);
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -612,7 +624,7 @@ fn output_head(
     for (i, r) in rows.logit_rows.iter().enumerate() {
         let src = s.x.slice(r * d..(r + 1) * d);
         let mut dst = s.xn.slice_mut(i * d..(i + 1) * d);
-        g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| gpu_err(format!("gathering rows: {e:?}")))?;
+        g.stream.memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering rows"))?;
     }
     let layer = m.layers.len();
     let head_k = Launches { rows: n, ..*k };
