@@ -148,3 +148,5 @@ if want 15; then
     --ignore-eos --unique-prompts
   stop_meshes
 fi
+# Raw per-request records are kept compressed (docs/benchmarks/README.md).
+find "$out" -maxdepth 1 -name "*-$day*.json" -size +64k -exec xz -9f {} +

@@ -30,3 +30,5 @@ set -x
   --out "$out/loadtest-vs-llama-server-$day.json" --markdown "$out/loadtest-vs-llama-server-$day.md" --plots "$out/loadtest-vs-llama-server-$day"
 "$bin/pdmesh-loadtest" "${common[@]}" --mode agentic --sessions 8 --rounds 3 --think-s 1 --max-tokens 48 --ignore-eos \
   --out "$out/loadtest-agentic-vs-llama-server-$day.json" --markdown "$out/loadtest-agentic-vs-llama-server-$day.md" --plots "$out/loadtest-agentic-vs-llama-server-$day"
+# Raw per-request records are kept compressed (docs/benchmarks/README.md).
+find "$out" -maxdepth 1 -name "*-$day*.json" -size +64k -exec xz -9f {} +
