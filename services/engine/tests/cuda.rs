@@ -112,10 +112,11 @@ fn cuda_device_picked_tokens_equal_the_hosts_argmax_of_the_same_logits() {
     }
 }
 
-/// Kernel spans as a subscriber sees them: each one's name and device time.
+/// Kernel spans as a subscriber sees them: each one's device time and name.
 #[derive(Clone, Default)]
-struct KernelSpans(Arc<Mutex<Vec<(String, Option<f64>)>>>);
+struct KernelSpans(Arc<Mutex<Vec<DeviceMs>>>);
 
+#[derive(Clone)]
 struct DeviceMs(Option<f64>, String);
 
 impl tracing::field::Visit for DeviceMs {
@@ -171,7 +172,7 @@ where
         if let Some(span) = ctx.span(&id) {
             if let Some(v) = span.extensions().get::<Mutex<DeviceMs>>() {
                 let v = v.lock().unwrap_or_else(|e| e.into_inner());
-                self.0.lock().unwrap_or_else(|e| e.into_inner()).push((v.1.clone(), v.0));
+                self.0.lock().unwrap_or_else(|e| e.into_inner()).push(v.clone());
             }
         }
     }
@@ -203,7 +204,7 @@ fn cuda_traced_steps_record_device_time_on_every_kernel_span() {
     });
     let spans = seen.0.lock().unwrap();
     assert!(spans.len() > 30 * 4, "only {} kernel spans", spans.len());
-    let untimed: Vec<&String> = spans.iter().filter(|(_, ms)| !ms.is_some_and(|m| m > 0.0)).map(|(n, _)| n).collect();
+    let untimed: Vec<&String> = spans.iter().filter(|k| !k.0.is_some_and(|m| m > 0.0)).map(|k| &k.1).collect();
     let first: Vec<&&String> = untimed.iter().take(5).collect();
     assert!(
         untimed.is_empty(),
