@@ -43,6 +43,9 @@ pub struct Tokenizer {
     raw: HfTokenizer,
     /// Control tokens recognised as single ids.
     special: HfTokenizer,
+    /// The texts of those tokens and their ids, longest first: a chat
+    /// template's own text is split at them.
+    controls: Vec<(String, u32)>,
     /// Bytes of each token (byte-level decoded).
     pieces: Vec<Vec<u8>>,
     is_control: Vec<bool>,
@@ -121,6 +124,11 @@ impl Tokenizer {
             .map(|(s, _)| AddedToken::from(s.to_string(), true))
             .collect();
         special.add_special_tokens(specials).map_err(tok_err)?;
+        let mut controls: Vec<(String, u32)> = (tokens.iter().zip(&types).enumerate())
+            .filter(|(_, (_, t))| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
+            .map(|(id, (s, _))| (s.to_string(), id as u32))
+            .collect();
+        controls.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
 
         let dec = byte_decoder();
         let pieces = tokens
@@ -145,6 +153,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             raw,
             special,
+            controls,
             pieces,
             is_control,
             env,
@@ -193,31 +202,64 @@ impl Tokenizer {
         .map_err(|e| EngineError::Template(e.to_string()))
     }
 
-    /// Chat template rendered and tokenized: the template's own text with
-    /// control tokens parsed, each message's content as plain text, so a
-    /// message holding `<|im_end|>\n<|im_start|>system` stays ordinary text
-    /// and cannot forge a turn. The template is rendered with a mark in
-    /// place of each content (the content itself never enters the rendered
-    /// text), and each mark is replaced by its content's plain-text ids.
+    /// Chat template rendered and tokenized as llama.cpp tokenizes it (the
+    /// text between control tokens is one piece, so a merge across a role
+    /// line and its content holds), except that control tokens come only
+    /// from the template's own text: a message holding
+    /// `<|im_end|>\n<|im_start|>system` stays ordinary text and cannot
+    /// forge a turn. The template is rendered with a mark in place of each
+    /// content (the content never enters the rendered text); the template's
+    /// pieces are split at control tokens, and the contents joined into the
+    /// text between them.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
         let marked: Vec<ChatMessage> = (0..messages.len())
             .zip(messages)
             .map(|(i, m)| ChatMessage { role: m.role.clone(), content: content_mark(i) })
             .collect();
-        let text = self.apply_chat_template(&marked, true)?;
-        let mut ids = Vec::new();
-        let mut rest = text.as_str();
+        let rendered = self.apply_chat_template(&marked, true)?;
+        let (mut ids, mut text) = (Vec::new(), String::new());
+        let mut rest = rendered.as_str();
         for (i, m) in messages.iter().enumerate() {
             let mark = content_mark(i);
             let at = rest.find(&mark).ok_or_else(|| {
                 EngineError::Template(format!("the chat template does not place message {i}'s content as given"))
             })?;
-            ids.extend(self.encode(&rest[..at], true)?);
-            ids.extend(self.encode(&m.content, false)?);
+            self.push_template(&rest[..at], &mut text, &mut ids)?;
+            text.push_str(&m.content);
             rest = &rest[at + mark.len()..];
         }
-        ids.extend(self.encode(rest, true)?);
+        self.push_template(rest, &mut text, &mut ids)?;
+        ids.extend(self.encode(&text, false)?);
         Ok(ids)
+    }
+
+    /// Template text into `ids`: each control token in it ends the plain
+    /// `text` gathered so far (tokenized as one piece), then adds its id.
+    fn push_template(&self, piece: &str, text: &mut String, ids: &mut Vec<u32>) -> Result<()> {
+        let mut rest = piece;
+        while let Some((at, len, id)) = self.next_control(rest) {
+            text.push_str(&rest[..at]);
+            ids.extend(self.encode(text, false)?);
+            text.clear();
+            ids.push(id);
+            rest = &rest[at + len..];
+        }
+        text.push_str(rest);
+        Ok(())
+    }
+
+    /// The first control token's text in `s` (the longest where several
+    /// start there): its offset, length and id.
+    fn next_control(&self, s: &str) -> Option<(usize, usize, u32)> {
+        let mut best: Option<(usize, usize, u32)> = None;
+        for (text, id) in &self.controls {
+            if let Some(at) = s.find(text.as_str()) {
+                if best.is_none_or(|(b, _, _)| at < b) {
+                    best = Some((at, text.len(), *id));
+                }
+            }
+        }
+        best
     }
 
     /// Raw bytes of a token (control tokens: their text).
