@@ -1,23 +1,35 @@
 //! The docs cannot drift from the binaries: every flag that a binary's
-//! `--help` prints (for each subcommand too) is documented in its page
-//! under docs/reference/. Runs the real binaries of this build.
+//! `--help` prints (for each subcommand its `--help` lists too) is
+//! documented in its page under docs/reference/. Runs the real binaries of
+//! this build. And the README, the front door, stays under 8 KB.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// (binary, subcommands, the page that documents it).
-const BINARIES: &[(&str, &[&str], &str)] = &[
-    ("meshctl", &["up", "status", "generate", "explain", "probe", "collect"], "meshctl.md"),
-    ("pdmesh-bench", &["mesh", "kv"], "bench.md"),
-    ("pdmesh-engine", &["fetch", "tokenize", "generate", "bench"], "engine.md"),
-    ("pdmesh-loadtest", &[], "loadtest.md"),
-    ("pdmesh-gateway", &[], "services.md"),
-    ("pdmesh-router", &[], "services.md"),
-    ("pdmesh-tokenizer", &[], "services.md"),
-    ("pdmesh-kvbroker", &[], "services.md"),
-    ("pdmesh-prefill", &[], "services.md"),
-    ("pdmesh-decode", &[], "services.md"),
+/// (binary, the page that documents it). Subcommands come from `--help`.
+const BINARIES: &[(&str, &str)] = &[
+    ("meshctl", "meshctl.md"),
+    ("pdmesh-bench", "bench.md"),
+    ("pdmesh-engine", "engine.md"),
+    ("pdmesh-loadtest", "loadtest.md"),
+    ("pdmesh-gateway", "services.md"),
+    ("pdmesh-router", "services.md"),
+    ("pdmesh-tokenizer", "services.md"),
+    ("pdmesh-kvbroker", "services.md"),
+    ("pdmesh-prefill", "services.md"),
+    ("pdmesh-decode", "services.md"),
 ];
+
+/// The subcommands a `--help` text lists under `Commands:` (not `help`).
+fn subcommands(help: &str) -> Vec<String> {
+    let Some((_, rest)) = help.split_once("Commands:\n") else { return Vec::new() };
+    rest.lines()
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(str::to_string)
+        .collect()
+}
 
 fn bin_dir() -> PathBuf {
     Path::new(env!("CARGO_BIN_EXE_meshctl")).parent().expect("target folder").to_path_buf()
@@ -64,10 +76,12 @@ fn every_flag_in_help_is_in_the_reference_docs() {
     let dir = bin_dir();
     let mut missing = Vec::new();
     let mut checked = 0;
-    for (name, subs, page) in BINARIES {
+    for (name, page) in BINARIES {
         let doc = reference(page);
         let bin = dir.join(name);
-        let mut helps = vec![(String::new(), help(&bin, None))];
+        let top = help(&bin, None);
+        let subs = subcommands(&top);
+        let mut helps = vec![(String::new(), top)];
         helps.extend(subs.iter().map(|s| (format!(" {s}"), help(&bin, Some(s)))));
         for (sub, text) in helps {
             for flag in flags(&text) {
@@ -89,4 +103,16 @@ fn the_flag_reader_finds_long_flags_only_on_option_lines() {
     assert_eq!(flags(help), vec!["--listen", "--model"]);
     assert!(documented("| `--model` | x |", "--model"));
     assert!(!documented("| `--model-b` | x |", "--model"));
+    let top =
+        "Usage: x <COMMAND>\n\nCommands:\n  up     Start\n  scale  Change\n  help   Print\n\nOptions:\n  -h, --help\n";
+    assert_eq!(subcommands(top), vec!["up", "scale"]);
+}
+
+/// The README is the front door: set-up, status and where to read on.
+/// Details belong in docs/.
+#[test]
+fn the_readme_stays_under_8_kb() {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    let n = std::fs::metadata(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())).len();
+    assert!(n <= 8192, "README.md is {n} bytes; keep it at most 8192 (move details to docs/)");
 }
