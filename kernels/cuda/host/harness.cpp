@@ -1,5 +1,6 @@
 // Runs the CUDA kernels that need no warp intrinsics on the CPU, from the
-// very same sources, one thread at a time: embed_q4_1, embed_q8_0, rope,
+// very same sources, one thread at a time: embed_q4_1, embed_q8_0, the f16
+// dequantizers and cast (dequant.cu), rope,
 // kv_write, silu_mul, add_into, and matvec's per-block dot products
 // (block_dot_q4_1, block_dot_q8_0). pdmesh-cuda's tests write the inputs,
 // run `harness CASE DIR ARGS...`, and compare DIR/out.bin with the CPU
@@ -13,6 +14,7 @@
 // clang-format off
 #include "../common.cuh"
 #include "../embed.cu"
+#include "../dequant.cu"
 #include "../rope.cu"
 #include "../kv.cu"
 #include "../activation.cu"
@@ -104,6 +106,21 @@ int main(int argc, char** argv) {
     else
       launch(grid_for(n, 256), block_of(256), [&] { add_into(a.data(), b.data(), n); });
     save(a);
+  } else if (what == "dequant_q4_1_f16" || what == "dequant_q8_0_f16" || what == "cast_f16") {
+    const long n = arg(0);
+    std::vector<f16_bits> out(n);
+    auto grid = grid_for(n, 256);
+    if (what == "dequant_q4_1_f16") {
+      auto w = load<block_q4_1>("w.bin");
+      launch(grid, block_of(256), [&] { dequant_q4_1_f16(w.data(), out.data(), n); });
+    } else if (what == "dequant_q8_0_f16") {
+      auto w = load<block_q8_0>("w.bin");
+      launch(grid, block_of(256), [&] { dequant_q8_0_f16(w.data(), out.data(), n); });
+    } else {
+      auto x = load<float>("x.bin");
+      launch(grid, block_of(256), [&] { cast_f16(x.data(), out.data(), n); });
+    }
+    save(out);
   } else if (what == "dot_q4_1" || what == "dot_q8_0") {
     auto x = load<block_q8>("x.bin");
     std::vector<float> out(x.size());

@@ -31,27 +31,42 @@ pub const MATVEC_MAX_TOK: usize = 8;
 pub struct Knobs {
     /// Weight rows (one warp each) per CTA of a matvec: 1 to 32.
     pub rows_per_cta: u32,
+    /// Steps of at least this many rows run their matrix products as f16
+    /// GEMMs through cuBLAS (0: never; the dp4a matvec takes 8 rows a launch).
+    pub gemm_min_rows: u32,
 }
 
 impl Default for Knobs {
     fn default() -> Self {
-        Knobs { rows_per_cta: 4 }
+        Knobs { rows_per_cta: 4, gemm_min_rows: 9 }
     }
 }
 
 impl Knobs {
-    /// `PDMESH_CUDA_ROWS_PER_CTA` over the default.
+    /// `PDMESH_CUDA_ROWS_PER_CTA` and `PDMESH_CUDA_GEMM_MIN_ROWS` over the defaults.
     pub fn from_env() -> Result<Knobs, String> {
-        let mut k = Knobs::default();
-        if let Ok(v) = std::env::var("PDMESH_CUDA_ROWS_PER_CTA") {
-            k.rows_per_cta = v
-                .parse()
-                .ok()
-                .filter(|n| (1..=32).contains(n))
-                .ok_or_else(|| format!("PDMESH_CUDA_ROWS_PER_CTA={v}: a number of rows from 1 to 32"))?;
-        }
-        Ok(k)
+        let d = Knobs::default();
+        let var = |name: &str| std::env::var(name).ok();
+        Ok(Knobs {
+            rows_per_cta: knob("PDMESH_CUDA_ROWS_PER_CTA", var("PDMESH_CUDA_ROWS_PER_CTA"), 1..=32, d.rows_per_cta)?,
+            gemm_min_rows: knob(
+                "PDMESH_CUDA_GEMM_MIN_ROWS",
+                var("PDMESH_CUDA_GEMM_MIN_ROWS"),
+                0..=65536,
+                d.gemm_min_rows,
+            )?,
+        })
     }
+}
+
+/// A knob's value from its variable's text, if set, else `default`.
+fn knob(name: &str, text: Option<String>, range: std::ops::RangeInclusive<u32>, default: u32) -> Result<u32, String> {
+    let Some(v) = text else { return Ok(default) };
+    v.trim()
+        .parse()
+        .ok()
+        .filter(|n| range.contains(n))
+        .ok_or_else(|| format!("{name}={v}: a whole number from {} to {}", range.start(), range.end()))
 }
 
 /// Weight storage on the GPU, as the model file holds it.
@@ -76,6 +91,10 @@ pub struct Gpu {
     pub compute_capability: (i32, i32),
     pub knobs: Knobs,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// cuBLAS on this GPU's stream, for the f16 GEMMs; `None` without it.
+    blas: Option<crate::gemm::Blas>,
+    /// Whether the GEMM path is there, or why not (`/statusz`).
+    pub blas_note: String,
 }
 
 /// The class of a GPU failure, which decides what the worker does.
@@ -220,7 +239,24 @@ impl Gpu {
         // SAFETY: every buffer of this Gpu is used on `stream` alone.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(err("creating a stream"))?;
-        Ok(Gpu { last: std::cell::Cell::new(None), ctx, stream, name, compute_capability: cc, knobs, funcs })
+        let (blas, blas_note) = match knobs.gemm_min_rows {
+            0 => (None, "off (PDMESH_CUDA_GEMM_MIN_ROWS=0)".to_string()),
+            n => match crate::gemm::Blas::open(&stream) {
+                Ok(b) => (Some(b), format!("cuBLAS f16 GEMM for steps of {n} rows or more")),
+                Err(e) => (None, e.what),
+            },
+        };
+        Ok(Gpu {
+            last: std::cell::Cell::new(None),
+            ctx,
+            stream,
+            name,
+            compute_capability: cc,
+            knobs,
+            funcs,
+            blas,
+            blas_note,
+        })
     }
 
     fn f(&self, name: &str) -> &CudaFunction {
@@ -289,6 +325,59 @@ impl Gpu {
         n: usize,
     ) -> Result<CudaSlice<T>, GpuError> {
         self.stream.alloc_zeros(n).map_err(err("allocating GPU memory"))
+    }
+
+    /// Whether matrix products can run as f16 GEMMs (cuBLAS loaded).
+    pub fn gemm_ready(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// A weight matrix of `n_values` values (Q4_1 or Q8_0 blocks)
+    /// dequantized into a new f16 buffer, row-major as the blocks lie.
+    pub fn dequant_f16(&self, w: &CudaSlice<u8>, ty: WeightType, n_values: usize) -> Result<CudaSlice<u16>, GpuError> {
+        let name = match ty {
+            WeightType::Q4_1 => "dequant_q4_1_f16",
+            WeightType::Q8_0 => "dequant_q8_0_f16",
+        };
+        let n_blocks = blocks_per_row(name, n_values)?;
+        fits(name, "weights (bytes)", w.len(), n_blocks * weight_block_bytes(ty))?;
+        let mut out = self.zeros::<u16>(n_values)?;
+        let n = n_values as i64;
+        let mut b = self.stream.launch_builder(self.f(name));
+        b.arg(w).arg(&mut out).arg(&n);
+        // SAFETY: checked above: one thread per value, reading its block
+        // inside `w` and writing its value inside `out`.
+        unsafe { b.launch(self.note(grid(n_values, 256))) }.map_err(err(name))?;
+        Ok(out)
+    }
+
+    /// `n` activations cast to f16 (the GEMMs' input).
+    pub fn cast_f16(&self, x: &CudaSlice<f32>, out: &mut CudaSlice<u16>, n: usize) -> Result<(), GpuError> {
+        fits("cast_f16", "x", x.len(), n)?;
+        fits("cast_f16", "out", out.len(), n)?;
+        let n_ = n as i64;
+        let mut b = self.stream.launch_builder(self.f("cast_f16"));
+        b.arg(x).arg(out).arg(&n_);
+        // SAFETY: checked above: one thread per value, within both buffers.
+        unsafe { b.launch(self.note(grid(n, 256))) }.map(drop).map_err(err("cast_f16"))
+    }
+
+    /// `y[t][r] = W[r] . x[t]` for `n_tok` rows as one f16 GEMM (cuBLAS):
+    /// `w` is `rows x cols` f16, `x` is `n_tok x cols` f16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_f16(
+        &self,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+    ) -> Result<(), GpuError> {
+        let blas = self.blas.as_ref().ok_or_else(|| GpuError::unavailable(self.blas_note.clone()))?;
+        // cuBLAS picks its own grid: none to report.
+        self.last.set(None);
+        blas.linear_f16(&self.stream, w, x, y, rows, cols, n_tok)
     }
 
     /// Rows `tokens` of an embedding table into `out` (`n_tok x cols`).
@@ -633,6 +722,16 @@ mod tests {
         let e = GpuError::driver("copying", DriverError(R::CUDA_ERROR_OUT_OF_MEMORY));
         assert_eq!(e.kind, GpuErrorKind::OutOfMemory);
         assert_eq!(e.what, "copying: CUDA_ERROR_OUT_OF_MEMORY");
+    }
+
+    #[test]
+    fn knobs_read_their_variables_within_range() {
+        assert_eq!(knob("K", None, 1..=32, 4), Ok(4));
+        assert_eq!(knob("K", Some(" 8 ".into()), 1..=32, 4), Ok(8));
+        assert_eq!(knob("K", Some("0".into()), 0..=64, 9), Ok(0));
+        let e = knob("PDMESH_CUDA_ROWS_PER_CTA", Some("33".into()), 1..=32, 4).unwrap_err();
+        assert_eq!(e, "PDMESH_CUDA_ROWS_PER_CTA=33: a whole number from 1 to 32");
+        assert!(knob("K", Some("four".into()), 1..=32, 4).is_err());
     }
 
     #[test]

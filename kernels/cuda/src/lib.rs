@@ -9,6 +9,7 @@
 //! Point `PDMESH_NVRTC_LIB` at that file, or put its folder on
 //! `LD_LIBRARY_PATH`.
 
+pub mod gemm;
 pub mod gpu;
 
 use std::sync::OnceLock;
@@ -32,8 +33,9 @@ macro_rules! source {
 }
 
 /// Every kernel source, in the order a forward pass uses them.
-pub const SOURCES: [Source; 9] = [
+pub const SOURCES: [Source; 10] = [
     source!("embed.cu"),
+    source!("dequant.cu"),
     source!("norm.cu"),
     source!("quantize.cu"),
     source!("matvec.cu"),
@@ -113,7 +115,7 @@ mod tests {
     #[test]
     fn every_source_defines_kernels() {
         let names: Vec<&str> = SOURCES.iter().flat_map(|s| s.kernels()).collect();
-        assert_eq!(names.len(), 13, "{names:?}");
+        assert_eq!(names.len(), 16, "{names:?}");
         for k in ["matvec_q4_1", "matvec_q8_0", "attention", "rms_norm", "rope", "argmax", "sample_temperature"] {
             assert!(names.contains(&k), "{k} missing from {names:?}");
         }

@@ -7,7 +7,8 @@
 //! (embeddings, Q8 quantisation, the KV write, argmax, the residual add);
 //! relative 1e-5 for RMSNorm and SiLU, 1e-4 for RoPE (the GPU's sincosf)
 //! and for matvec (another summation order over the blocks), 2e-3 for
-//! attention (its exp and summation order over positions).
+//! attention (its exp and summation order over positions), 1e-3 for the
+//! f16 GEMM (f16 inputs; the reference multiplies the same f16 values).
 
 use pdmesh_cuda::gpu::{AttentionRows, Gpu, Knobs, KvShape, WeightType, Q8_BLOCK_BYTES};
 use pdmesh_engine::{KvCache, KvLayout};
@@ -244,4 +245,35 @@ fn gpu_argmax_and_sampling_pick_as_expected() {
     let got = g.download(&out).unwrap();
     assert_eq!(&got[..2], &[100, 49151]);
     assert!(got[2] == 7 || got[2] == 9000, "{got:?}");
+}
+
+/// The GEMM path: Q4_1 weights dequantized to f16 on the GPU, activations
+/// cast to f16, one cuBLAS GEMM, against the CPU's f32 product of the same
+/// f16-rounded values (relative 1e-3: f16 inputs, f32 sums in another order).
+#[test]
+fn gpu_f16_gemm_matches_the_cpus_product_of_the_same_values() {
+    let Some(g) = gpu("gpu_f16_gemm_matches_the_cpus_product_of_the_same_values") else { return };
+    assert!(g.gemm_ready(), "cuBLAS: {}", g.blas_note);
+    let (rows, cols, n_tok) = (1536, 576, 37);
+    let mut rng = Rng::new(14);
+    let mut w4 = vec![BlockQ4_1::default(); rows * cols / QK];
+    quant::quantize_q4_1(&rng.normal_vec(rows * cols), &mut w4);
+    let x = rng.normal_vec(n_tok * cols);
+    let dw = g.upload(&bytes(&w4)).unwrap();
+    let w16 = g.dequant_f16(&dw, WeightType::Q4_1, rows * cols).unwrap();
+    let mut x16 = g.zeros::<u16>(x.len()).unwrap();
+    g.cast_f16(&g.upload(&x).unwrap(), &mut x16, x.len()).unwrap();
+    let mut y = g.zeros::<f32>(n_tok * rows).unwrap();
+    g.linear_f16(&w16, &x16, &mut y, rows, cols, n_tok).unwrap();
+    let mut w = vec![0f32; rows * cols];
+    quant::dequantize_q4_1(&w4, &mut w);
+    let (w, x): (Vec<f32>, Vec<f32>) =
+        (w.iter().map(|v| quant::round_f16(*v)).collect(), x.iter().map(|v| quant::round_f16(*v)).collect());
+    let want: Vec<f32> = (0..n_tok * rows)
+        .map(|i| (0..cols).map(|k| w[(i % rows) * cols + k] * x[(i / rows) * cols + k]).sum())
+        .collect();
+    close(&g.download(&y).unwrap(), &want, 1e-3, "linear_f16");
+    // The f16 weights are the CPU's dequantized values, rounded once.
+    let got16 = g.download(&w16).unwrap();
+    assert!(got16.iter().zip(&w).all(|(h, v)| quant::f16_to_f32(*h) == *v), "dequant_q4_1_f16");
 }

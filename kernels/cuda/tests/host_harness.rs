@@ -1,8 +1,8 @@
 //! The CUDA kernels that need no warp intrinsics or barriers, run on the
 //! CPU from their very sources (kernels/cuda/host: a C++ shim that steps
 //! through blocks and threads one at a time), against the CPU reference:
-//! `embed_q4_1`, `embed_q8_0`, `rope`, `kv_write`, `silu_mul`, `add_into`,
-//! and matvec's per-block dot products. This checks their indexing, nibble
+//! `embed_q4_1`, `embed_q8_0`, the f16 dequantizers and cast, `rope`,
+//! `kv_write`, `silu_mul`, `add_into`, and matvec's per-block dot products. This checks their indexing, nibble
 //! order, angles and the paged-KV layout here; the GPU check script
 //! (scripts/gpu-check.sh) checks every kernel on a GPU.
 
@@ -199,4 +199,30 @@ fn matvec_block_dots_match_the_cpu_reference() {
         let want = pdmesh_kernels::dot::scalar::dot_q8_0(&w8[i..=i], [&xq[i..=i]])[0];
         assert!((got[i] - want).abs() <= 1e-5 * want.abs().max(1.0), "q8_0 block {i}: {} against {want}", got[i]);
     }
+}
+
+#[test]
+fn f16_dequantizers_and_cast_round_the_cpus_values_once() {
+    let Some((bin, dir)) = harness("f16_dequantizers_and_cast_round_the_cpus_values_once") else { return };
+    let n = 40 * QK;
+    let mut rng = Rng::new(8);
+    let w = rng.normal_vec(n);
+    let halves = |b: &[u8]| b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>();
+    let to_f16 = |v: &[f32]| v.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect::<Vec<_>>();
+    let mut want = vec![0f32; n];
+    let mut w4 = vec![BlockQ4_1::default(); n / QK];
+    quant::quantize_q4_1(&w, &mut w4);
+    write(&dir, "w.bin", &w4);
+    quant::dequantize_q4_1(&w4, &mut want);
+    assert_eq!(halves(&run(&bin, &dir, "dequant_q4_1_f16", &[s(n)])), to_f16(&want), "dequant_q4_1_f16");
+    let mut w8 = vec![BlockQ8_0 { d: 0, qs: [0; QK] }; n / QK];
+    quant::quantize_q8_0(&w, &mut w8);
+    write(&dir, "w.bin", &w8);
+    quant::dequantize_q8_0(&w8, &mut want);
+    assert_eq!(halves(&run(&bin, &dir, "dequant_q8_0_f16", &[s(n)])), to_f16(&want), "dequant_q8_0_f16");
+    // Ties, subnormals and values past f16's range round as the CPU's f16 does.
+    let mut x: Vec<f32> = rng.normal_vec(n).iter().map(|v| v * 1000.0).collect();
+    x.extend([1.0 + 1.0 / 2048.0, 6.0e-8, -1.0e-6, 70000.0, -0.0]);
+    write(&dir, "x.bin", &x);
+    assert_eq!(halves(&run(&bin, &dir, "cast_f16", &[s(x.len())])), to_f16(&x), "cast_f16");
 }

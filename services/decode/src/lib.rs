@@ -61,7 +61,7 @@ pub async fn serve(
     let layout = engine.kv.layout;
     let batcher = Batcher::start(
         engine,
-        config.worker.engine.max_batch,
+        config.worker.engine.max_batch(),
         config.local_step_tokens,
         config.worker.engine.trace_kernel_steps,
     );

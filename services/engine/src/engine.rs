@@ -56,6 +56,36 @@ pub enum ComputeBackend {
     Auto,
 }
 
+/// A worker's engine sizes where its flags do not set them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizing {
+    pub kv_blocks: usize,
+    pub max_batch: usize,
+}
+
+impl ComputeBackend {
+    /// Whether the forward pass will run on a GPU: `cuda`, or `auto` where
+    /// a CUDA driver is found.
+    pub fn sized_for_gpu(self) -> bool {
+        match self {
+            ComputeBackend::Cpu => false,
+            ComputeBackend::Cuda => true,
+            ComputeBackend::Auto => pdmesh_cuda::gpu::driver_present(),
+        }
+    }
+
+    /// Default sizes: on a CPU, 2048 KV blocks (32,768 positions) and 32
+    /// sequences a step; on a GPU, 16,384 blocks (about 6 GB of VRAM for
+    /// SmolLM2-135M) and 64 sequences, every decode step a CUDA graph.
+    pub fn default_sizing(self) -> Sizing {
+        if self.sized_for_gpu() {
+            Sizing { kv_blocks: 16_384, max_batch: 64 }
+        } else {
+            Sizing { kv_blocks: 2048, max_batch: 32 }
+        }
+    }
+}
+
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {

@@ -34,7 +34,7 @@ pub mod sampler;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
-pub use engine::{ComputeBackend, Engine, EngineOptions, FinishReason, SeqId, TokenEvent, TransferArena};
+pub use engine::{ComputeBackend, Engine, EngineOptions, FinishReason, SeqId, Sizing, TokenEvent, TransferArena};
 pub use error::EngineError;
 pub use kv::{KvBlob, KvCache, KvLayout};
 pub use model::Model;

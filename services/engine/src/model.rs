@@ -205,6 +205,9 @@ pub mod kernel_attr {
     pub const GRID: &str = "kernel.grid";
     pub const BLOCK: &str = "kernel.block";
     pub const ROWS_PER_CTA: &str = "knob.rows_per_cta";
+    pub const GEMM_MIN_ROWS: &str = "knob.gemm_min_rows";
+    /// How the launch's matrix products ran: `matvec` (Q8, dp4a) or `gemm` (f16, cuBLAS).
+    pub const PATH: &str = "kernel.path";
 }
 
 /// Runs one step's kernels, each under its own span when asked: name,

@@ -62,12 +62,14 @@ pub struct Args {
     /// CPUs the decode workers run on (default: any).
     #[arg(long)]
     pub decode_cpus: Option<String>,
-    /// KV blocks of the decode worker (each holds 16 positions of all layers).
-    #[arg(long, default_value_t = 2048)]
-    pub decode_kv_blocks: usize,
-    /// Most sequences in one decode step.
-    #[arg(long, default_value_t = 32)]
-    pub decode_max_batch: usize,
+    /// KV blocks of the decode worker (each holds 16 positions of all
+    /// layers; default: the worker's, 2048 on a CPU, 16384 on a GPU).
+    #[arg(long)]
+    pub decode_kv_blocks: Option<usize>,
+    /// Most sequences in one decode step (default: the worker's, 32 on a
+    /// CPU, 64 on a GPU).
+    #[arg(long)]
+    pub decode_max_batch: Option<usize>,
     /// KV blocks of the prefill worker.
     #[arg(long, default_value_t = 512)]
     pub prefill_kv_blocks: usize,
@@ -208,22 +210,24 @@ fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
     match name {
         "tokenizer" => vec!["--model".into(), model.to_string()],
         "prefill" | "decode" => {
-            let (blocks, batch) =
-                if name == "decode" { (a.decode_kv_blocks, a.decode_max_batch) } else { (a.prefill_kv_blocks, 32) };
-            let mut args = vec![
+            // Decode sizes left unset are the worker's own, by its backend.
+            let (blocks, batch) = match name {
+                "decode" => (a.decode_kv_blocks, a.decode_max_batch),
+                _ => (Some(a.prefill_kv_blocks), Some(32)),
+            };
+            let sizes = [("--kv-blocks", blocks), ("--max-batch", batch)];
+            let mut args: Vec<String> =
+                sizes.iter().filter_map(|(f, v)| v.map(|v| [f.to_string(), v.to_string()])).flatten().collect();
+            args.extend([
                 "--model".into(),
                 model.to_string(),
                 "--threads".into(),
                 a.threads.to_string(),
-                "--kv-blocks".into(),
-                blocks.to_string(),
-                "--max-batch".into(),
-                batch.to_string(),
                 "--kv-transport".into(),
                 a.kv_transport.clone(),
                 "--trace-kernel-steps".into(),
                 a.trace_kernel_steps.clone(),
-            ];
+            ]);
             if name == "decode" {
                 args.extend(["--lease-ms".into(), a.decode_lease_ms.to_string()]);
                 args.extend(["--prefix-cache-blocks".into(), a.decode_prefix_cache_blocks.to_string()]);

@@ -93,7 +93,7 @@ pub async fn serve(
     let pdmesh_worker::Started { admin, engine, stats, worker_id, nixl, broker } = w;
     let layout = engine.kv.layout;
     let ek = &config.worker.engine;
-    let mut batcher = Batcher::start(engine, ek.max_batch, config.batch_tokens, ek.trace_kernel_steps);
+    let mut batcher = Batcher::start(engine, ek.max_batch(), config.batch_tokens, ek.trace_kernel_steps);
     batcher.max_queue = config.max_queue.max(1);
     let alive = batcher.alive.clone();
     let _ = stats.set(batcher.stats.clone());

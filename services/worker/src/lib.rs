@@ -46,15 +46,16 @@ pub struct EngineArgs {
     /// Kernel threads (0 = all cores).
     #[arg(long, env = "PDMESH_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// KV cache blocks in this worker's arena.
-    #[arg(long, env = "PDMESH_KV_BLOCKS", default_value_t = 2048)]
-    pub kv_blocks: usize,
+    /// KV cache blocks in this worker's arena (default: 2048 on a CPU,
+    /// 16384 on a GPU).
+    #[arg(long, env = "PDMESH_KV_BLOCKS")]
+    pub kv_blocks: Option<usize>,
     /// Positions per KV block (prefill and decode must agree).
     #[arg(long, env = "PDMESH_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
-    /// Most sequences in one forward step.
-    #[arg(long, env = "PDMESH_MAX_BATCH", default_value_t = 32)]
-    pub max_batch: usize,
+    /// Most sequences in one forward step (default: 32 on a CPU, 64 on a GPU).
+    #[arg(long, env = "PDMESH_MAX_BATCH")]
+    pub max_batch: Option<usize>,
     /// Most prompt tokens of one sequence per prefill step (chunked prefill).
     #[arg(long, env = "PDMESH_PREFILL_CHUNK", default_value_t = 512)]
     pub prefill_chunk: usize,
@@ -142,10 +143,20 @@ pub fn step_span<'a>(
 }
 
 impl EngineArgs {
+    /// KV blocks: the flag, else the default for the backend.
+    pub fn kv_blocks(&self) -> usize {
+        self.kv_blocks.unwrap_or(self.backend.default_sizing().kv_blocks)
+    }
+
+    /// Most sequences a step: the flag, else the default for the backend.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch.unwrap_or(self.backend.default_sizing().max_batch)
+    }
+
     pub fn options(&self) -> EngineOptions {
         EngineOptions {
             block_size: self.block_size,
-            kv_blocks: self.kv_blocks,
+            kv_blocks: self.kv_blocks(),
             threads: self.threads,
             prefill_chunk: self.prefill_chunk,
             prefix_cache_blocks: self.prefix_cache_blocks,
@@ -157,7 +168,7 @@ impl EngineArgs {
     /// Fetch the model if needed and build the engine (blocking; call it
     /// from a blocking thread).
     pub fn load(&self) -> Result<Engine, EngineError> {
-        if self.max_batch == 0 {
+        if self.max_batch() == 0 {
             return Err(EngineError::InvalidArgument("--max-batch must be at least 1".into()));
         }
         let path = self.cache.model_or_fetch(self.model.as_deref())?;

@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 
+use pdmesh_cuda::gemm::{product_path, ProductPath};
 use pdmesh_cuda::gpu::{AttentionRows, Gpu, GpuError, Knobs, KvShape, WeightType, Q8_BLOCK_BYTES};
 
 use super::{BatchItem, Model, StepOptions, Weight};
@@ -36,6 +37,8 @@ struct DevWeight {
     ty: WeightType,
     rows: usize,
     cols: usize,
+    /// The same matrix dequantized to f16, for the GEMM path (when cuBLAS is there).
+    f16: Option<CudaSlice<u16>>,
 }
 
 struct DevLayer {
@@ -63,6 +66,8 @@ struct Scratch {
     gate: CudaSlice<f32>,
     up: CudaSlice<f32>,
     qa: CudaSlice<u8>,
+    /// f16 activations of the GEMM path.
+    x16: CudaSlice<u16>,
 }
 
 pub struct CudaModel {
@@ -80,6 +85,9 @@ pub struct CudaModel {
     use_graphs: bool,
     /// Positions of the model's context (graph steps size attention for it).
     context: usize,
+    /// Every weight has its f16 copy and cuBLAS is loaded: steps of
+    /// `knobs.gemm_min_rows` rows or more run their products as GEMMs.
+    gemm: bool,
 }
 
 /// A decode step of a fixed number of rows, captured once and replayed:
@@ -202,17 +210,15 @@ impl CudaModel {
     pub fn load(model: &Model, layout: KvLayout, kv_blocks: usize, ordinal: usize) -> Result<CudaModel> {
         let knobs = Knobs::from_env().map_err(EngineError::InvalidArgument)?;
         let gpu = Gpu::open(ordinal, knobs).map_err(gpu_err)?;
+        let gemm = gpu.gemm_ready();
         let up = |w: &Weight| -> Result<DevWeight> {
             let ty = match w.ty {
                 TensorType::Q4_1 => WeightType::Q4_1,
                 _ => WeightType::Q8_0,
             };
-            Ok(DevWeight {
-                data: gpu.upload(&w.map[w.range.clone()]).map_err(gpu_err)?,
-                ty,
-                rows: w.rows,
-                cols: w.cols,
-            })
+            let data = gpu.upload(&w.map[w.range.clone()]).map_err(gpu_err)?;
+            let f16 = if gemm { Some(gpu.dequant_f16(&data, ty, w.rows * w.cols).map_err(gpu_err)?) } else { None };
+            Ok(DevWeight { data, ty, rows: w.rows, cols: w.cols, f16 })
         };
         let f = |v: &[f32]| gpu.upload(v).map_err(gpu_err);
         let mut layers = Vec::with_capacity(model.layers.len());
@@ -236,6 +242,7 @@ impl CudaModel {
         let use_graphs = std::env::var("PDMESH_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let context = model.config.context_length;
         Ok(CudaModel {
+            gemm,
             gpu,
             layers,
             tok_embd,
@@ -252,7 +259,13 @@ impl CudaModel {
 
     /// The knob values and graph setting, as /statusz shows them.
     pub fn knobs(&self) -> serde_json::Value {
-        serde_json::json!({ "rows_per_cta": self.gpu.knobs.rows_per_cta, "graphs": self.use_graphs })
+        let k = self.gpu.knobs;
+        serde_json::json!({
+            "rows_per_cta": k.rows_per_cta,
+            "gemm_min_rows": k.gemm_min_rows,
+            "gemm": self.gpu.blas_note,
+            "graphs": self.use_graphs,
+        })
     }
 
     /// Replay decode steps from CUDA graphs (the default), or launch every kernel.
@@ -287,6 +300,7 @@ impl CudaModel {
             gate: z(c.n_ff)?,
             up: z(c.n_ff)?,
             qa: self.gpu.zeros::<u8>(cap * c.n_ff.max(c.n_embd) / 32 * Q8_BLOCK_BYTES).map_err(gpu_err)?,
+            x16: self.gpu.zeros::<u16>(if self.gemm { cap * c.n_ff.max(c.n_embd) } else { 0 }).map_err(gpu_err)?,
         })
     }
 
@@ -320,7 +334,7 @@ impl CudaModel {
         let mut s = self.scratch(m, n_tok)?;
         let mut logits = self.gpu.zeros::<f32>(rows.logit_rows.len() * m.config.vocab_size).map_err(gpu_err)?;
         let shape = self.shape();
-        let k = Launches { gpu: &self.gpu, on: opts.kernel_spans, rows: n_tok };
+        let k = Launches::new(&self.gpu, opts.kernel_spans, n_tok, self.gemm);
         let head = (&self.tok_embd, self.output.as_ref(), &self.output_norm);
         let r = step(&k, &self.layers, &mut self.arena, head, shape, m, &rows, &mut s, &mut logits);
         self.scratch = Some(s);
@@ -339,7 +353,7 @@ impl CudaModel {
         }
         let ids = {
             let mut ids = self.gpu.zeros::<i32>(rows).map_err(gpu_err)?;
-            let k = Launches { gpu: &self.gpu, on: spans, rows };
+            let k = Launches::new(&self.gpu, spans, rows, false);
             k.run("argmax", 0, rows, vocab, |g| g.argmax(logits, rows, vocab, &mut ids))?;
             self.gpu.download(&ids).map_err(gpu_err)?
         };
@@ -398,8 +412,8 @@ impl CudaModel {
         let rows = Rows::upload(&self.gpu, data, self.context)?;
         let mut logits = self.gpu.zeros::<f32>(n * m.config.vocab_size).map_err(gpu_err)?;
         let shape = self.shape();
-        let CudaModel { gpu, layers, arena, tok_embd, output, output_norm, .. } = self;
-        let k = Launches { gpu, on: false, rows: n };
+        let CudaModel { gpu, layers, arena, tok_embd, output, output_norm, gemm, .. } = self;
+        let k = Launches::new(gpu, false, n, *gemm);
         let head = (&*tok_embd, output.as_ref(), &*output_norm);
         let graph = gpu.capture(|| step(&k, layers, arena, head, shape, m, &rows, s, &mut logits))?;
         self.graphs.insert(n, DecodeGraph { rows, logits, graph: Graph(graph) });
@@ -465,14 +479,29 @@ impl CudaModel {
 }
 
 /// Runs a step's launches, each under its own span when asked.
+#[derive(Clone, Copy)]
 struct Launches<'a> {
     gpu: &'a Gpu,
     on: bool,
     /// Rows in the step (m).
     rows: usize,
+    /// The f16 weights and cuBLAS are there.
+    gemm: bool,
+    /// How this many rows run their matrix products.
+    path: ProductPath,
 }
 
-impl Launches<'_> {
+impl<'a> Launches<'a> {
+    fn new(gpu: &'a Gpu, on: bool, rows: usize, gemm: bool) -> Launches<'a> {
+        let path = product_path(rows, gpu.knobs.gemm_min_rows, gemm);
+        Launches { gpu, on, rows, gemm, path }
+    }
+
+    /// The same launches for a step of `rows` rows (the output head's).
+    fn with_rows(&self, rows: usize) -> Launches<'a> {
+        Launches::new(self.gpu, self.on, rows, self.gemm)
+    }
+
     /// Run `f` (one kernel, or a few launches of it) as `name` for `layer`
     /// with outputs `n` and inputs `k` per row.
     fn run(
@@ -496,6 +525,8 @@ impl Launches<'_> {
             { ka::N } = n as i64,
             { ka::K } = k as i64,
             { ka::ROWS_PER_CTA } = self.gpu.knobs.rows_per_cta as i64,
+            { ka::GEMM_MIN_ROWS } = self.gpu.knobs.gemm_min_rows as i64,
+            { ka::PATH } = self.path.name(),
             { ka::GRID } = tracing::field::Empty,
             { ka::BLOCK } = tracing::field::Empty,
             { ka::DEVICE_MS } = tracing::field::Empty,
@@ -514,15 +545,37 @@ impl Launches<'_> {
     }
 }
 
-fn matvec(
+/// A step's activations for its matrix products, as its path wants them:
+/// Q8 blocks (matvec) or f16 (GEMM).
+fn acts(
+    k: &Launches,
+    li: usize,
+    width: usize,
+    x: &CudaSlice<f32>,
+    (qa, x16): (&mut CudaSlice<u8>, &mut CudaSlice<u16>),
+) -> Result<()> {
+    let n = k.rows * width;
+    match k.path {
+        ProductPath::Matvec => k.run("quantize_q8", li, width, width, |g| g.quantize_q8(x, qa, n)),
+        ProductPath::Gemm => k.run("cast_f16", li, width, width, |g| g.cast_f16(x, x16, n)),
+    }
+}
+
+/// `y = x · Wᵀ` for the step's rows, from the activations [`acts`] made.
+fn linear(
     k: &Launches,
     name: &'static str,
     li: usize,
     w: &DevWeight,
-    x: &CudaSlice<u8>,
+    (qa, x16): (&CudaSlice<u8>, &CudaSlice<u16>),
     y: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    k.run(name, li, w.rows, w.cols, |g| g.matvec(&w.data, w.ty, x, y, w.rows, w.cols, k.rows))
+    match (k.path, &w.f16) {
+        (ProductPath::Gemm, Some(w16)) => {
+            k.run(name, li, w.rows, w.cols, |g| g.linear_f16(w16, x16, y, w.rows, w.cols, k.rows))
+        }
+        _ => k.run(name, li, w.rows, w.cols, |g| g.matvec(&w.data, w.ty, qa, y, w.rows, w.cols, k.rows)),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -572,10 +625,10 @@ fn attention_block(
     let c = &m.config;
     let (d, hd, n, kvd) = (c.n_embd, c.head_dim, k.rows, c.kv_dim());
     k.run("rms_norm", li, d, d, |g| g.rms_norm(&s.x, &l.attn_norm, &mut s.xn, n, d, c.rms_eps))?;
-    k.run("quantize_q8", li, d, d, |g| g.quantize_q8(&s.xn, &mut s.qa, n * d))?;
-    matvec(k, "matmul_q", li, &l.wq, &s.qa, &mut s.q)?;
-    matvec(k, "matmul_k", li, &l.wk, &s.qa, &mut s.k)?;
-    matvec(k, "matmul_v", li, &l.wv, &s.qa, &mut s.v)?;
+    acts(k, li, d, &s.xn, (&mut s.qa, &mut s.x16))?;
+    linear(k, "matmul_q", li, &l.wq, (&s.qa, &s.x16), &mut s.q)?;
+    linear(k, "matmul_k", li, &l.wk, (&s.qa, &s.x16), &mut s.k)?;
+    linear(k, "matmul_v", li, &l.wv, (&s.qa, &s.x16), &mut s.v)?;
     k.run("rope", li, d + kvd, hd, |g| {
         g.rope(&mut s.q, &rows.pos, n, c.n_heads, hd, c.rope_dims, c.rope_base)?;
         g.rope(&mut s.k, &rows.pos, n, c.n_kv_heads, hd, c.rope_dims, c.rope_base)
@@ -585,8 +638,8 @@ fn attention_block(
     k.run("attention", li, d, rows.att.max_ctx, |g| {
         g.attention(&s.q, &mut s.att, arena, &rows.att, c.n_heads, li, shape, scale)
     })?;
-    k.run("quantize_q8", li, d, d, |g| g.quantize_q8(&s.att, &mut s.qa, n * d))?;
-    matvec(k, "matmul_o", li, &l.wo, &s.qa, &mut s.proj)?;
+    acts(k, li, d, &s.att, (&mut s.qa, &mut s.x16))?;
+    linear(k, "matmul_o", li, &l.wo, (&s.qa, &s.x16), &mut s.proj)?;
     k.run("add", li, d, d, |g| g.add_into(&mut s.x, &s.proj, n * d))
 }
 
@@ -594,12 +647,12 @@ fn ffn_block(k: &Launches, l: &DevLayer, li: usize, m: &Model, s: &mut Scratch) 
     let c = &m.config;
     let (d, ff, n) = (c.n_embd, c.n_ff, k.rows);
     k.run("rms_norm", li, d, d, |g| g.rms_norm(&s.x, &l.ffn_norm, &mut s.xn, n, d, c.rms_eps))?;
-    k.run("quantize_q8", li, d, d, |g| g.quantize_q8(&s.xn, &mut s.qa, n * d))?;
-    matvec(k, "matmul_gate", li, &l.w_gate, &s.qa, &mut s.gate)?;
-    matvec(k, "matmul_up", li, &l.w_up, &s.qa, &mut s.up)?;
+    acts(k, li, d, &s.xn, (&mut s.qa, &mut s.x16))?;
+    linear(k, "matmul_gate", li, &l.w_gate, (&s.qa, &s.x16), &mut s.gate)?;
+    linear(k, "matmul_up", li, &l.w_up, (&s.qa, &s.x16), &mut s.up)?;
     k.run("silu_mul", li, ff, ff, |g| g.silu_mul(&mut s.gate, &s.up, n * ff))?;
-    k.run("quantize_q8", li, ff, ff, |g| g.quantize_q8(&s.gate, &mut s.qa, n * ff))?;
-    matvec(k, "matmul_down", li, &l.w_down, &s.qa, &mut s.proj)?;
+    acts(k, li, ff, &s.gate, (&mut s.qa, &mut s.x16))?;
+    linear(k, "matmul_down", li, &l.w_down, (&s.qa, &s.x16), &mut s.proj)?;
     k.run("add", li, d, d, |g| g.add_into(&mut s.x, &s.proj, n * d))
 }
 
@@ -627,8 +680,8 @@ fn output_head(
         g.stream.memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering rows"))?;
     }
     let layer = m.layers.len();
-    let head_k = Launches { rows: n, ..*k };
+    let head_k = k.with_rows(n);
     head_k.run("rms_norm", layer, d, d, |g| g.rms_norm(&s.xn, output_norm, &mut s.att, n, d, c.rms_eps))?;
-    head_k.run("quantize_q8", layer, d, d, |g| g.quantize_q8(&s.att, &mut s.qa, n * d))?;
-    matvec(&head_k, "matmul_lm_head", layer, output.unwrap_or(embd), &s.qa, logits)
+    acts(&head_k, layer, d, &s.att, (&mut s.qa, &mut s.x16))?;
+    linear(&head_k, "matmul_lm_head", layer, output.unwrap_or(embd), (&s.qa, &s.x16), logits)
 }
