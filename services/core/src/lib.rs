@@ -17,7 +17,7 @@ pub mod serve;
 pub mod signal;
 pub mod telemetry;
 pub mod tls;
-pub mod vocab;
+pub use pdmesh_vocab as vocab;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> u64 {

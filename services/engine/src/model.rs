@@ -185,30 +185,8 @@ pub struct StepOptions {
     pub kernel_spans: bool,
 }
 
-/// Attribute keys of kernel-launch spans (this crate does not link
-/// `pdmesh-core`, whose `vocab` holds every other span name and key).
-pub mod kernel_attr {
-    pub const SPAN: &str = "kernel";
-    pub const BACKEND: &str = "kernel.backend";
-    pub const LAYER: &str = "kernel.layer";
-    pub const M: &str = "kernel.m";
-    pub const N: &str = "kernel.n";
-    pub const K: &str = "kernel.k";
-    pub const THREADS: &str = "knob.threads";
-    pub const TILE_B: &str = "knob.tile_b";
-    pub const ROW_SLICE: &str = "knob.row_slice";
-    pub const ATT_CHUNK: &str = "knob.att_chunk";
-    // The GPU path (model/cuda.rs).
-    /// Device time of the launch, from CUDA events around it.
-    pub const DEVICE_MS: &str = "kernel.device_ms";
-    /// The launch's grid and block dimensions, "x,y,z".
-    pub const GRID: &str = "kernel.grid";
-    pub const BLOCK: &str = "kernel.block";
-    pub const ROWS_PER_CTA: &str = "knob.rows_per_cta";
-    pub const GEMM_MIN_ROWS: &str = "knob.gemm_min_rows";
-    /// How the launch's matrix products ran: `matvec` (Q8, dp4a) or `gemm` (f16, cuBLAS).
-    pub const PATH: &str = "kernel.path";
-}
+/// Attribute keys of kernel-launch spans (one home: `pdmesh-vocab`).
+pub use pdmesh_vocab::kernel as kernel_attr;
 
 /// Runs one step's kernels, each under its own span when asked: name,
 /// backend, shape (m rows x n outputs x k inputs), layer, and the values of

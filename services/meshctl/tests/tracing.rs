@@ -15,6 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use common::*;
+use pdmesh_core::vocab::kernel;
 use pdmesh_meshctl::explain::{explain, Explanation};
 use pdmesh_meshctl::sink::Sink;
 use pdmesh_meshctl::trace::Span;
@@ -239,13 +240,13 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     assert!(queued.attr_f64("prefill.queue_depth").is_some() && queued.attr_f64("prefill.running").is_some());
     assert!(admit.attr_f64("decode.running").is_some());
     // Kernel spans: under the prefill step (step 1), none under decode steps (--trace-kernel-steps 1).
-    let kernels: Vec<&Span> = spans.iter().filter(|s| s.attrs.contains_key("kernel.backend")).collect();
+    let kernels: Vec<&Span> = spans.iter().filter(|s| s.attrs.contains_key(kernel::BACKEND)).collect();
     assert!(
         kernels.iter().any(|k| k.parent_id == pstep.span_id && k.name.starts_with("matmul")),
         "no kernel spans under the prefill step"
     );
     for k in &kernels {
-        assert!(k.attr_f64("knob.tile_b").is_some() && k.attr_f64("kernel.m").is_some(), "{k:?}");
+        assert!(k.attr_f64(kernel::TILE_B).is_some() && k.attr_f64(kernel::M).is_some(), "{k:?}");
         assert!(!ancestors(&spans, k).iter().any(|a| a.name == "decode_step"), "kernel span under a decode step");
     }
     let dsteps = spans.iter().filter(|s| s.name == "decode_step").count();

@@ -5,8 +5,8 @@
 //! for a CPU.
 
 use crate::trace::Span;
-use pdmesh_core::vocab::attr;
 use pdmesh_core::vocab::steps::{SLOW_FACTOR, STARVED_SHARE};
+use pdmesh_core::vocab::{attr, kernel};
 
 /// Run-queue time below this is noise, whatever its share.
 const MIN_RUNQ_MS: f64 = 20.0;
@@ -136,6 +136,26 @@ impl Judgment {
     }
 }
 
+/// What the GPU kernel spans of `service` in `spans` say of their device
+/// time (`kernel.device_ms`): the total, the launches, and the kernel that
+/// took most of it. None where no launch carried device time (the CPU's
+/// kernel spans carry wall time only).
+pub fn device_time(spans: &[&Span], service: &str) -> Option<String> {
+    let mut by_kernel: std::collections::BTreeMap<&str, f64> = Default::default();
+    let mut launches = 0;
+    for (s, ms) in
+        spans.iter().filter(|s| s.service == service).filter_map(|s| Some((s, s.attr_f64(kernel::DEVICE_MS)?)))
+    {
+        *by_kernel.entry(s.name.as_str()).or_default() += ms;
+        launches += 1;
+    }
+    let total: f64 = by_kernel.values().sum();
+    let (top, top_ms) = by_kernel.iter().max_by(|a, b| a.1.total_cmp(b.1))?;
+    Some(format!(
+        "GPU kernels ran {total:.1} ms of device time in {launches} traced launches, most in {top} ({top_ms:.1} ms; kernel.device_ms)"
+    ))
+}
+
 /// `knob.*` values on the kernel spans in `spans`, deduplicated.
 pub fn knobs(spans: &[&Span]) -> Vec<String> {
     let mut out: Vec<String> = spans
@@ -164,6 +184,30 @@ mod tests {
             batch_usual: 1.0,
             knobs: vec![],
         }
+    }
+
+    #[test]
+    fn gpu_kernel_device_time_is_charged_to_its_workers_steps() {
+        use crate::trace::testing::span;
+        use serde_json::json;
+        let k = |id: &str, name: &str, service: &str, ms: Option<f64>| {
+            let mut attrs = vec![(kernel::BACKEND, json!("cuda"))];
+            attrs.extend(ms.map(|m| (kernel::DEVICE_MS, json!(m))));
+            span(id, "00000000000000aa", name, service, "internal", 0, 1, &attrs)
+        };
+        let spans = [
+            k("01", "matmul_gate", "pdmesh-decode", Some(0.25)),
+            k("02", "matmul_gate", "pdmesh-decode", Some(0.25)),
+            k("03", "attention", "pdmesh-decode", Some(0.125)),
+            k("04", "matmul_q", "pdmesh-prefill", Some(2.0)),
+        ];
+        let all: Vec<&Span> = spans.iter().collect();
+        let d = device_time(&all, "pdmesh-decode").unwrap();
+        assert_eq!(d, "GPU kernels ran 0.6 ms of device time in 3 traced launches, most in matmul_gate (0.5 ms; kernel.device_ms)");
+        assert!(device_time(&all, "pdmesh-prefill").unwrap().contains("1 traced launches, most in matmul_q (2.0 ms"));
+        // CPU kernel spans carry no device time: nothing to charge.
+        let cpu = [k("05", "matmul_q", "pdmesh-decode", None)];
+        assert_eq!(device_time(&cpu.iter().collect::<Vec<_>>(), "pdmesh-decode"), None);
     }
 
     #[test]

@@ -2,11 +2,11 @@
 //! was read from, and the sentence that leads the report.
 
 use super::attempt::{instance, Attempt, Marks, Outcome};
-use super::judge::{knobs, Judgment};
+use super::judge::{device_time, knobs, Judgment};
 use super::timeline::Timeline;
 use super::{AttemptSummary, Cause, Evidence, Finding, Part};
 use crate::trace::Span;
-use pdmesh_core::vocab::{attr, pick_key, span};
+use pdmesh_core::vocab::{attr, kernel, pick_key, span};
 
 fn int(s: Option<&Span>, key: &str) -> i64 {
     s.and_then(|s| s.attr_f64(key)).map_or(0, |v| v as i64)
@@ -212,7 +212,10 @@ fn stage(cause: Cause, m: &Marks, spans: &[&Span]) -> (String, Vec<Evidence>) {
             }
             (line, evidence(&[m.prefill_call, m.queued]))
         }
-        Cause::PrefillCompute => (prefill_line(m), evidence(&[m.forward])),
+        Cause::PrefillCompute => {
+            let device = device_time(spans, "pdmesh-prefill").map(|d| format!("; {d}")).unwrap_or_default();
+            (prefill_line(m) + &device, evidence(&[m.forward]))
+        }
         Cause::DecodeAdmission => (
             format!(
                 "{} running, {} awaiting KV on {} (admit span)",
@@ -237,12 +240,13 @@ fn stage(cause: Cause, m: &Marks, spans: &[&Span]) -> (String, Vec<Evidence>) {
         ),
         Cause::DecodeSteps => (
             format!(
-                "{} steps, batch mean {:.1} max {}, {} already running on {} when it joined (decode_loop span)",
+                "{} steps, batch mean {:.1} max {}, {} already running on {} when it joined (decode_loop span){}",
                 int(m.decode_loop, attr::DECODE_STEPS),
                 m.decode_loop.and_then(|l| l.attr_f64(attr::DECODE_BATCH_MEAN)).unwrap_or(0.0),
                 int(m.decode_loop, attr::DECODE_BATCH_MAX),
                 int(m.decode_loop, attr::DECODE_RUNNING_ON_JOIN),
-                instance(m.decode)
+                instance(m.decode),
+                device_time(spans, "pdmesh-decode").map(|d| format!("; {d}")).unwrap_or_default()
             ),
             evidence(&[m.decode_loop]),
         ),
@@ -336,7 +340,7 @@ fn judged<'a>(cause: Cause, a: &Attempt<'a>) -> Option<(Judgment, String, &'a Sp
         Cause::PrefillCompute => (m.forward?, if local { m.decode } else { m.prefill }),
         _ => return None,
     };
-    let kernels: Vec<&Span> = a.spans.iter().copied().filter(|k| k.attrs.contains_key("kernel.backend")).collect();
+    let kernels: Vec<&Span> = a.spans.iter().copied().filter(|k| k.attrs.contains_key(kernel::BACKEND)).collect();
     Some((Judgment::of(s, knobs(&kernels))?, instance(worker), s))
 }
 

@@ -231,9 +231,31 @@ pub mod attr {
     // Tokenizer.
     pub const TOKENS: &str = "tokens";
     pub const OUTCOME: &str = "outcome";
+}
 
-    // Kernel-launch spans are named and keyed in the engine
-    // (`pdmesh_engine::model::kernel_attr`), which does not link this crate.
+/// Kernel-launch spans: children of a worker's step span, one per launch
+/// (`--trace-kernel-steps`), written by the engine, read by `meshctl explain`.
+pub mod kernel {
+    pub const SPAN: &str = "kernel";
+    pub const BACKEND: &str = "kernel.backend";
+    pub const LAYER: &str = "kernel.layer";
+    pub const M: &str = "kernel.m";
+    pub const N: &str = "kernel.n";
+    pub const K: &str = "kernel.k";
+    pub const THREADS: &str = "knob.threads";
+    pub const TILE_B: &str = "knob.tile_b";
+    pub const ROW_SLICE: &str = "knob.row_slice";
+    pub const ATT_CHUNK: &str = "knob.att_chunk";
+    // The GPU path (model/cuda.rs).
+    /// Device time of the launch, from CUDA events around it.
+    pub const DEVICE_MS: &str = "kernel.device_ms";
+    /// The launch's grid and block dimensions, "x,y,z".
+    pub const GRID: &str = "kernel.grid";
+    pub const BLOCK: &str = "kernel.block";
+    pub const ROWS_PER_CTA: &str = "knob.rows_per_cta";
+    pub const GEMM_MIN_ROWS: &str = "knob.gemm_min_rows";
+    /// How the launch's matrix products ran: `matvec` (Q8, dp4a) or `gemm` (f16, cuBLAS).
+    pub const PATH: &str = "kernel.path";
 }
 
 /// What counts as an abnormal step: shared by the workers, which count
