@@ -21,7 +21,9 @@
 #      llama-batched-bench, niced, 12 of the cores).
 #   2. tests.json: the CUDA tests (every kernel against the CPU; the GPU
 #      engine against the CPU engine; the f32 referee; a traced step).
-#   3. status.json, mesh.json: a mesh on the GPU (prefill and decode on
+#   3. kv-vram.json: one prompt's KV (512 tokens) moved GPU to GPU between
+#      two processes over NIXL, against a device-to-device copy, bytes checked.
+#      status.json, mesh.json: a mesh on the GPU (prefill and decode on
 #      CUDA), unique prompts at concurrency 64 and 96.
 #   4. knob-rows.json, knob-gemm.json: the knob A/Bs at 64 and 96, two meshes
 #      each, A, B, A, B: PDMESH_CUDA_ROWS_PER_CTA 4 against 8, and
@@ -117,7 +119,13 @@ for t in gpu_kernels cuda referee; do
 done
 (IFS=,; echo "[${results[*]}]") >"$out/tests.json"
 
-# 3 and 4. Meshes on the GPU: prefill and decode workers on CUDA.
+# 3. NIXL from VRAM to VRAM, then meshes on the GPU (prefill and decode on CUDA).
+log "KV transfer GPU to GPU over NIXL"
+"$bin/pdmesh-bench" kv --vram --rounds 20 >"$out/kv-vram.json" 2>"$out/kv-vram.err" || {
+  failed=1
+  python3 -c "import json,sys; json.dump({'ran': False, 'why': open(sys.argv[1]).read()[-2000:]}, open(sys.argv[2],'w'))" \
+    "$out/kv-vram.err" "$out/kv-vram.json"
+}
 mesh() { # mesh NAME PORT ENV=VALUE...
   local name=$1 port=$2
   shift 2

@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 cargo build --release --workspace --all-targets
 rm -rf .gpu && mkdir -p .gpu/stage/bin
-for b in meshctl pdmesh-engine pdmesh-prefill pdmesh-decode pdmesh-router pdmesh-gateway pdmesh-tokenizer pdmesh-kvbroker pdmesh-loadtest; do
+for b in meshctl pdmesh-engine pdmesh-prefill pdmesh-decode pdmesh-router pdmesh-gateway pdmesh-tokenizer pdmesh-kvbroker pdmesh-loadtest pdmesh-bench; do
   cp "target/release/$b" .gpu/stage/bin/
 done
 for t in gpu_kernels cuda referee; do

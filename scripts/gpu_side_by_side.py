@@ -115,7 +115,9 @@ def table(out):
         mesh_row = {"mesh_c64_tokens_per_s": m64["output_tokens_per_s"], "engine_b64_tokens_per_s": engine64["median"],
                     "share": share, "share_target": 0.8, "ttft_p90_s": ttft, "ttft_target_s": 0.1,
                     "met": share >= 0.8 and ttft is not None and ttft <= 0.1}
-    return {"rows": rows, "mesh": mesh_row, "mesh_levels": mesh, "pdmesh": pd, "llama_bench": lb, "batched": bb}
+    kv = os.path.join(out, "kv-vram.json")
+    kv = json.load(open(kv)) if os.path.exists(kv) else None
+    return {"rows": rows, "mesh": mesh_row, "kv_vram": kv, "mesh_levels": mesh, "pdmesh": pd, "llama_bench": lb, "batched": bb}
 
 
 def fmt(s):
@@ -139,6 +141,13 @@ def markdown(t):
                   f"{'met' if m['met'] else 'not met'}."]
     else:
         lines += ["", "Mesh: not run."]
+    kv, nx = t.get("kv_vram") or {}, (t.get("kv_vram") or {}).get("nixl", {})
+    if "gb_per_s" in nx:
+        d2d = kv.get("d2d_copy", {}).get("gb_per_s", 0)
+        lines += ["", f"KV GPU to GPU over NIXL: {nx['gb_per_s']:.1f} GB/s ({kv.get('bytes', 0) / 1e6:.1f} MB), "
+                  f"{nx['vs_baseline']:.2f}x a device-to-device copy ({d2d:.1f} GB/s); bytes intact: {kv.get('bytes_match')}."]
+    else:
+        lines += ["", f"KV GPU to GPU over NIXL: not run ({nx.get('skipped') or kv.get('why', 'no kv-vram.json')})."]
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,11 @@
 //!
 //! The other process is this binary again (`pdmesh-bench kv --target`),
 //! which registers its arena, serves WriteKv, and prints its NIXL metadata.
+//!
+//! With `--vram` both buffers are in GPU memory (GPU 0 of each process;
+//! NIXL registers them as VRAM, UCX's cuda_copy/cuda_ipc move them), the
+//! baseline is a device-to-device copy, and the target reads back what
+//! arrived so the report says whether the bytes match. TCP is not run then.
 
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
@@ -31,6 +36,10 @@ pub struct Args {
     pub transport: kv::TransportArgs,
     #[command(flatten)]
     pub cache: pdmesh_model::CacheArgs,
+    /// Move GPU memory into GPU memory (NIXL's VRAM path), against a
+    /// device-to-device copy; needs a GPU and NIXL.
+    #[arg(long)]
+    pub vram: bool,
     /// Internal: run as the receiving process.
     #[arg(long, hide = true)]
     pub target: bool,
@@ -74,9 +83,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 async fn target(a: &Args) -> Result<(), String> {
     let n = a.tokens.div_ceil(16) * BLOCK_BYTES;
     let sink = std::sync::Arc::new(Sink { buf: std::sync::Mutex::new(vec![0u8; n]) });
-    let addr = sink.buf.lock().map(|b| b.as_ptr() as usize).unwrap_or(0);
+    let vram = if a.vram { Some(crate::vram::VramBuf::new(n, None)?) } else { None };
+    let arena = match &vram {
+        Some(v) => v.arena(),
+        None => host(sink.buf.lock().map(|b| b.as_ptr() as usize).unwrap_or(0), n),
+    };
+    let addr = arena.addr;
     let nixl = match kv::choose(&a.transport, a.cache.python())? {
-        Some(_) => Some(Nixl::start("kvbench-target", host(addr, n))?),
+        Some(_) => Some(Nixl::start("kvbench-target", arena)?),
         None => None,
     };
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
@@ -106,7 +120,16 @@ async fn target(a: &Args) -> Result<(), String> {
     } else {
         pdmesh_core::grpc::serve_routes(routes, l, Default::default(), stop).await.map_err(|e| e.to_string())?;
     }
+    // What arrived in VRAM, for the parent to compare with what it sent.
+    if let Some(v) = vram {
+        println!("{}", json!({ "checksum": checksum(&v.read()?) }));
+    }
     Ok(())
+}
+
+/// A position-dependent checksum of `bytes` (FNV-1a).
+fn checksum(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100000001b3))
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
@@ -115,54 +138,47 @@ pub async fn run(a: Args) -> Result<(), String> {
     }
     let blocks = a.tokens.div_ceil(16);
     let n = blocks * BLOCK_BYTES;
+    // Source bytes: a pattern, not zeros (zero pages could flatter a copy).
+    let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+    let vram = if a.vram { Some(crate::vram::VramBuf::new(n, Some(&src))?) } else { None };
     let mut child = std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
         .args(["kv", "--target", "--tokens", &a.tokens.to_string()])
+        .args(a.vram.then_some("--vram"))
         .args(["--kv-transport", if a.transport.kv_transport == kv::TransportChoice::Tcp { "tcp" } else { "auto" }])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| e.to_string())?;
     let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().ok_or("no stdout")?).read_line(&mut line).map_err(|e| e.to_string())?;
+    let mut from_target = std::io::BufReader::new(child.stdout.take().ok_or("no stdout")?);
+    from_target.read_line(&mut line).map_err(|e| e.to_string())?;
     let info: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("target said {line:?}: {e}"))?;
-    // Source bytes: a pattern, not zeros (zero pages could flatter a copy).
-    let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
-    let mut dst = vec![0u8; n];
     let mut report = serde_json::Map::new();
     report.insert("bytes".into(), json!(n));
     report.insert("tokens".into(), json!(a.tokens));
     report.insert("blocks".into(), json!(blocks));
-
-    let mut t = Vec::new();
-    for _ in 0..a.rounds {
-        let t0 = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&dst);
-        t.push(t0.elapsed().as_secs_f64());
+    // The baseline: a copy within this process's memory (host or GPU).
+    let (base_name, base) = match &vram {
+        Some(v) => ("d2d_copy", median(v.d2d_times(a.rounds)?)),
+        None => ("memcpy", median(host_copy_times(&src, a.rounds))),
+    };
+    report.insert(base_name.into(), json!({ "median_s": base, "gb_per_s": n as f64 / base / 1e9 }));
+    let local = vram.as_ref().map(|v| v.arena()).unwrap_or_else(|| host(src.as_ptr() as usize, n));
+    let nixl = nixl_rate(&a, &info, local, blocks, base)?;
+    report.insert("nixl".into(), nixl);
+    if a.vram {
+        report.insert("tcp".into(), json!({ "skipped": "--vram: TCP stages through host memory" }));
+        drop(child.stdin.take());
+        let mut done = String::new();
+        from_target.read_line(&mut done).map_err(|e| e.to_string())?;
+        let got = serde_json::from_str::<serde_json::Value>(&done).ok().and_then(|v| v["checksum"].as_u64());
+        report.insert("bytes_match".into(), json!(got == Some(checksum(&src))));
+        let _ = child.wait();
+        report.insert("rounds".into(), json!(a.rounds));
+        println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(report)).unwrap_or_default());
+        return Ok(());
     }
-    let memcpy = median(t);
-    report.insert("memcpy".into(), json!({ "median_s": memcpy, "gb_per_s": n as f64 / memcpy / 1e9 }));
-
-    let md_hex = info["md"].as_str().unwrap_or_default();
-    if !md_hex.is_empty() && kv::choose(&a.transport, a.cache.python())?.is_some() {
-        let md: Vec<u8> =
-            (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
-        let nixl = Nixl::start("kvbench-source", host(src.as_ptr() as usize, n))?;
-        let ids: Vec<u32> = (0..blocks as u32).collect();
-        let far = host(info["addr"].as_u64().unwrap_or(0) as usize, info["len"].as_u64().unwrap_or(0) as usize);
-        let mut t = Vec::new();
-        for i in 0..a.rounds + 1 {
-            let t0 = Instant::now();
-            nixl.write("target", &md, far, &ids, &ids, BLOCK_BYTES, "kvbench", Duration::from_secs(10))?;
-            if i > 0 {
-                t.push(t0.elapsed().as_secs_f64()); // the first one also connects
-            }
-        }
-        let s = median(t);
-        report.insert("nixl".into(), json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_memcpy": memcpy / s }));
-    } else {
-        report.insert("nixl".into(), json!({ "skipped": "NIXL not available" }));
-    }
+    let memcpy = base;
 
     let ch = pdmesh_core::grpc::lazy_channel(info["grpc"].as_str().unwrap_or_default())?;
     let mut client = dpb::decode_client::DecodeClient::new(ch).max_encoding_message_size(64 << 20);
@@ -182,13 +198,63 @@ pub async fn run(a: Args) -> Result<(), String> {
     let s = median(t);
     report.insert(
         "tcp".into(),
-        json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_memcpy": memcpy / s, "chunk_bytes": a.chunk_bytes }),
+        json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_baseline": memcpy / s, "chunk_bytes": a.chunk_bytes }),
     );
     drop(child.stdin.take());
     let _ = child.wait();
     report.insert("rounds".into(), json!(a.rounds));
     println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(report)).unwrap_or_default());
     Ok(())
+}
+
+/// Seconds of each of `rounds` copies of `src` within host memory.
+fn host_copy_times(src: &[u8], rounds: usize) -> Vec<f64> {
+    let mut dst = vec![0u8; src.len()];
+    (0..rounds)
+        .map(|_| {
+            let t0 = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(src));
+            std::hint::black_box(&dst);
+            t0.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+/// NIXL WRITEs of `local` into the target's arena, timed (the first, which
+/// also connects, left out), against `base` seconds for the same bytes.
+fn nixl_rate(
+    a: &Args,
+    info: &serde_json::Value,
+    local: TransferArena,
+    blocks: usize,
+    base: f64,
+) -> Result<serde_json::Value, String> {
+    let md_hex = info["md"].as_str().unwrap_or_default();
+    if md_hex.is_empty() || kv::choose(&a.transport, a.cache.python())?.is_none() {
+        return Ok(json!({ "skipped": "NIXL not available" }));
+    }
+    let md: Vec<u8> =
+        (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
+    let nixl = Nixl::start("kvbench-source", local)?;
+    let ids: Vec<u32> = (0..blocks as u32).collect();
+    let far = TransferArena {
+        addr: info["addr"].as_u64().unwrap_or(0) as usize,
+        len: info["len"].as_u64().unwrap_or(0) as usize,
+        gpu: local.gpu,
+    };
+    let mut t = Vec::new();
+    for i in 0..a.rounds + 1 {
+        let t0 = Instant::now();
+        nixl.write("target", &md, far, &ids, &ids, BLOCK_BYTES, "kvbench", Duration::from_secs(10))?;
+        if i > 0 {
+            t.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let s = median(t);
+    let n = blocks * BLOCK_BYTES;
+    Ok(
+        json!({ "median_s": s, "gb_per_s": n as f64 / s / 1e9, "vs_baseline": base / s, "memory": if local.gpu.is_some() { "vram" } else { "host" } }),
+    )
 }
 
 /// A buffer of host memory as NIXL registers it.

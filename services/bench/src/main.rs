@@ -8,6 +8,7 @@
 
 mod kv;
 mod mesh;
+mod vram;
 
 use std::process::ExitCode;
 
