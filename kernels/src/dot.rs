@@ -440,18 +440,23 @@ mod tests {
                 .collect();
             let refs = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
             let s41 = scalar::dot_q4_1(&w41, refs);
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             let v41 = unsafe { avx2::dot_q4_1([&w41[..]], refs) }[0];
             let s80 = scalar::dot_q8_0(&w80, refs);
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             let v80 = unsafe { avx2::dot_q8_0([&w80[..]], refs) }[0];
             // Two rows at once give each row's single-row result exactly.
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             let two = unsafe { avx2::dot_q4_1([&w41[..], &w41[..]], refs) };
             assert_eq!(two[1].map(f32::to_bits), v41.map(f32::to_bits));
             for n in 0..4 {
                 assert_eq!(s41[n].to_bits(), v41[n].to_bits(), "q4_1 nb={nb} {} vs {}", s41[n], v41[n]);
                 assert_eq!(s80[n].to_bits(), v80[n].to_bits(), "q8_0 nb={nb} {} vs {}", s80[n], v80[n]);
                 // The single-row path is bit-identical to the multi-row path.
+                // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
                 let one = unsafe { avx2::dot_q4_1([&w41[..]], [refs[n]]) }[0];
                 assert_eq!(one[0].to_bits(), v41[n].to_bits());
+                // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
                 let four = unsafe { avx2::dot_q8_0([&w80[..], &w80[..], &w80[..], &w80[..]], [refs[n]]) };
                 assert_eq!(four[3][0].to_bits(), v80[n].to_bits());
             }
@@ -459,6 +464,7 @@ mod tests {
             let mut qs = vec![BlockQ8::default(); nb];
             let mut qv = vec![BlockQ8::default(); nb];
             crate::quant::quantize_q8(&xf, &mut qs);
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             unsafe { avx2::quantize_q8(&xf, &mut qv) };
             for (p, q) in qs.iter().zip(&qv) {
                 assert_eq!((p.d.to_bits(), p.s.to_bits(), p.qs), (q.d.to_bits(), q.s.to_bits(), q.qs));

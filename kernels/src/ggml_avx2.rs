@@ -196,6 +196,7 @@ mod tests {
         let xs: Vec<f32> = (0..4000).map(|i| -80.0 + i as f32 * 0.0413).collect();
         for c in xs.chunks_exact(8) {
             let mut out = [0f32; 8];
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr(), expf8(_mm256_loadu_ps(c.as_ptr()))) };
             for (x, y) in c.iter().zip(out) {
                 let want = x.exp();
@@ -203,6 +204,7 @@ mod tests {
             }
         }
         let mut out = [1f32; 8];
+        // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), expf8(_mm256_set1_ps(f32::NEG_INFINITY))) };
         assert_eq!(out, [0.0; 8]);
     }
@@ -217,13 +219,16 @@ mod tests {
         let a = rng.normal_vec(64);
         let b = rng.normal_vec(64);
         let plain: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
         assert!((unsafe { dot_chain(&a, &b) } - plain).abs() < 1e-4);
+        // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
         assert!((unsafe { dot_vec4(&a, &b) } - plain).abs() < 1e-4);
 
         let mut s = rng.normal_vec(24);
         s.extend([f32::NEG_INFINITY; 8]);
         let mut plain_sm = s.clone();
         crate::activation::softmax(&mut plain_sm[..24]);
+        // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
         unsafe { softmax(&mut s) };
         for (x, y) in s.iter().zip(&plain_sm[..24]) {
             assert!((x - y).abs() < 1e-6);
@@ -234,6 +239,7 @@ mod tests {
         let u = rng.normal_vec(21);
         let mut g2 = g.clone();
         crate::activation::silu_mul(&mut g2, &u);
+        // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
         unsafe { silu_mul(&mut g, &u) };
         for (x, y) in g.iter().zip(&g2) {
             assert!((x - y).abs() < 1e-5);

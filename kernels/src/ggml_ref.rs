@@ -120,6 +120,7 @@ mod tests {
         let xs: Vec<f32> = (0..4096).map(|i| -100.0 + i as f32 * 0.05).chain([f32::NEG_INFINITY; 8]).collect();
         for c in xs.chunks_exact(8) {
             let mut out = [0f32; 8];
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v::expf8(_mm256_loadu_ps(c.as_ptr()))) };
             for (x, y) in c.iter().zip(out) {
                 assert_eq!(expf(*x).to_bits(), y.to_bits(), "expf({x})");
@@ -128,12 +129,15 @@ mod tests {
         for n in [32usize, 64, 96, 256] {
             let a = rng.normal_vec(n);
             let b = rng.normal_vec(n);
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             assert_eq!(dot_chain(&a, &b).to_bits(), unsafe { v::dot_chain(&a, &b) }.to_bits());
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             assert_eq!(dot_vec4(&a, &b).to_bits(), unsafe { v::dot_vec4(&a, &b) }.to_bits());
             let mut s1: Vec<f32> = a.iter().map(|x| x * 3.0).collect();
             s1[n - 3..].fill(f32::NEG_INFINITY);
             let mut s2 = s1.clone();
             softmax(&mut s1);
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             unsafe { v::softmax(&mut s2) };
             assert_eq!(s1, s2);
             let mut g1 = a.clone();
@@ -142,6 +146,7 @@ mod tests {
             u.extend([1.0, 2.0, 3.0]);
             let mut g2 = g1.clone();
             silu_mul(&mut g1, &u);
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             unsafe { v::silu_mul(&mut g2, &u) };
             assert_eq!(g1, g2);
         }

@@ -208,7 +208,9 @@ impl Drop for Pool {
 /// output buffer. Each user must guarantee that tasks touch disjoint indices.
 #[derive(Clone, Copy)]
 pub struct SyncPtr<T>(pub *mut T);
+// SAFETY: a SyncPtr is only an address; its users write disjoint indices, as the type requires.
 unsafe impl<T> Send for SyncPtr<T> {}
+// SAFETY: a SyncPtr is only an address; its users write disjoint indices, as the type requires.
 unsafe impl<T> Sync for SyncPtr<T> {}
 
 impl<T> SyncPtr<T> {

@@ -3,6 +3,8 @@
 //! told to do, within stated tolerances; a server that stops mid-stream
 //! yields stalled requests (with ids), not a hung tool; refusals are errors
 //! by kind.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

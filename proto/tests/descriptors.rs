@@ -1,4 +1,6 @@
 //! The descriptor set served by reflection holds every pdmesh service.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use prost::Message;
 

@@ -9,6 +9,8 @@
 //! and for matvec (another summation order over the blocks), 2e-3 for
 //! attention (its exp and summation order over positions), 1e-3 for the
 //! f16 GEMM (f16 inputs; the reference multiplies the same f16 values).
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use pdmesh_cuda::gpu::{AttentionRows, Gpu, Knobs, KvShape, WeightType, Q8_BLOCK_BYTES};
 use pdmesh_engine::{KvCache, KvLayout};

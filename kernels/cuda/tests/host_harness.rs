@@ -5,6 +5,8 @@
 //! `kv_write`, `silu_mul`, `add_into`, and matvec's per-block dot products. This checks their indexing, nibble
 //! order, angles and the paged-KV layout here; the GPU check script
 //! (scripts/gpu-check.sh) checks every kernel on a GPU.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

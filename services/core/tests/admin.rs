@@ -1,4 +1,6 @@
 //! The admin endpoints over real HTTP on loopback.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};

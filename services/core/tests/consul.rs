@@ -3,6 +3,8 @@
 //! documented API: see its module docs). What is real here: the backend's
 //! HTTP calls, its blocking-query loop, and the admin /health endpoint the
 //! fake agent checks over HTTP.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
 use std::sync::Arc;

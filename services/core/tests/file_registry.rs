@@ -1,4 +1,6 @@
 //! The file discovery backend, for real, on a temporary folder.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
 use std::time::Duration;

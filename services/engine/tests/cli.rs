@@ -1,4 +1,6 @@
 //! The `pdmesh-engine` binary as a user runs it.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

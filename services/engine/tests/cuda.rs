@@ -4,6 +4,8 @@
 //! GPU's other summation order may fairly pick the other. Also the prompt
 //! logits, a KV export taken from VRAM, and batched decoding. Without a GPU
 //! each test prints why and is counted as skipped.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,4 +1,6 @@
 //! The engine agrees with llama.cpp on the real SmolLM2 GGUF.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

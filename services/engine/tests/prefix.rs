@@ -1,6 +1,8 @@
 //! The prefix cache on the real model: a prompt whose head comes from the
 //! cache gets the same logits, bit for bit, and the same greedy tokens as
 //! one computed from scratch; blocks are never leaked.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -13,6 +13,8 @@
 //!
 //! Each test prints one JSON line per engine. The GPU's are skipped, with
 //! the reason, where there is no CUDA driver.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,4 +1,6 @@
 //! The broker booted for real on a loopback port.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 

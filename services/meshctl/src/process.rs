@@ -251,6 +251,7 @@ fn die_with_parent(cmd: &mut Command) {
     // SAFETY: getpid(2) here; prctl(2) and getppid(2) are plain system
     // calls run in the forked child before exec.
     let parent = unsafe { libc::getpid() };
+    // SAFETY: the closure runs in the forked child before exec and makes only the async-signal-safe prctl(2) and getppid(2) calls.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {

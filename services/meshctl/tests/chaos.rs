@@ -17,6 +17,8 @@
 //!   error, and never a cut connection except where the gateway itself died;
 //! - afterwards no KV block is pinned, reserved or leaked and no ticket is
 //!   live, checked through /metrics.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

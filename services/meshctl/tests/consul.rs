@@ -3,6 +3,8 @@
 //! here; the fake follows HashiCorp's documented agent API). Real: the six
 //! service processes, their registrations, the agent's HTTP checks of their
 //! /health, the routers' blocking-query watches, the model and its tokens.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

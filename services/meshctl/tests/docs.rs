@@ -2,6 +2,8 @@
 //! `--help` prints (for each subcommand its `--help` lists too) is
 //! documented in its page under docs/reference/. Runs the real binaries of
 //! this build. And the README, the front door, stays under 8 KB.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,6 +1,8 @@
 //! Graceful drain on SIGTERM, on a real mesh: the instance leaves
 //! discovery first, finishes what it holds, then exits; at the drain
 //! deadline what is left ends with a clean retriable error, never a hang.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -9,7 +9,8 @@
 //! invent nothing: every stage's time lies inside the spans it names, and
 //! no failure, refusal or abnormality appears where none was planted. On an
 //! idle mesh, and right after a worker's restart, it reports no abnormality.
-
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 // Whole-mesh scenarios read top to bottom as one story (issue 12 exempts tests).
 #![allow(clippy::too_many_lines)]
 

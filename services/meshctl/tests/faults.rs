@@ -4,6 +4,8 @@
 //! live, and the affected request ends promptly with a clear status.
 //! Test-only switches (`--enable-fault-injection`) stall the prefill's
 //! transfer. KV moves over NIXL here.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -4,6 +4,8 @@
 //! normal requests are served. Normal requests keep their time to first
 //! token; the slow connections are closed by the header timeout, the
 //! bodiless one gets 408, and those over the cap get 503 at once.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -3,6 +3,8 @@
 //! installs), and every pdmesh flag the manifests and the compose file pass
 //! against the binaries' own `--help`, so a renamed flag cannot leave a
 //! deployment file behind.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

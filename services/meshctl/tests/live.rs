@@ -6,6 +6,8 @@
 //! gateway process. No request may fail or stall. Then a decode is killed
 //! with SIGKILL under the same load: the agent's check drops it, and only
 //! the requests it was serving fail, each with a clean error.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -2,7 +2,8 @@
 //! loopback; requests go through the router (gRPC) and the gateway (HTTP).
 //! KV moves over NIXL (the `scale` test covers the TCP transport).
 //! One mesh serves every check here, in order, ending with restarts.
-
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 // Whole-mesh scenarios read top to bottom as one story (issue 12 exempts tests).
 #![allow(clippy::too_many_lines)]
 

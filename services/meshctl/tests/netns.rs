@@ -15,6 +15,8 @@
 //! Needs root (namespaces, veth, bridge). Where they cannot be made the
 //! test prints why and records a skip (see `pdmesh_testkit::skip`); it does
 //! not pass.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -3,6 +3,8 @@
 //! not, typed errors; API keys (the client's key, a wrong one, none, a
 //! key's limits, revocation by editing the keys file). CI installs the
 //! package (`.ci/run`).
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -5,6 +5,8 @@
 //! worker starts cold and the router stops counting on its old cache; a
 //! decode worker prefills short prompts (and the new tail of a chat it
 //! holds) itself, with the answers of the disaggregated path.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -4,6 +4,8 @@
 //! --prometheus-sd` writes. With tracing on and exemplar storage enabled,
 //! Prometheus keeps the trace ids the latency histograms carry
 //! (OpenMetrics exemplars), and they name the traces the mesh exported.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -11,6 +11,8 @@
 //! message that does not parse is INTERNAL, as gRPC's status-code guide
 //! prescribes for parse errors (tonic's codec); well-formed nonsense gets
 //! INVALID_ARGUMENT, NOT_FOUND or FAILED_PRECONDITION from our handlers.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -3,6 +3,8 @@
 //! identical, and when one decode's KV is full the router uses the other;
 //! only when both are full does a client get 429. KV moves over TCP here
 //! (the `mesh` test covers NIXL), with the same tokens.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

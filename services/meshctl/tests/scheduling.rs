@@ -2,6 +2,8 @@
 //! spread over budgeted steps, a short request sent meanwhile is answered
 //! while the long one is still being computed, and when the long one's
 //! client disconnects its prefill stops within about a step.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,6 +1,8 @@
 //! `meshctl up` as a supervisor: a crash loop is restarted with a growing
 //! backoff, then left down with the reason in `meshctl status`; and when
 //! meshctl itself is killed (even by SIGKILL) its services do not outlive it.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

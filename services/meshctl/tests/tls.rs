@@ -4,6 +4,8 @@
 //! with no certificate, and one whose certificate another CA signed; and
 //! the kvbroker lets each identity do only its own part (a prefill cannot
 //! register as a decode nor open tickets, a client cannot touch tickets).
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -5,7 +5,8 @@
 //! that link to several; and `meshctl explain` names a planted delay as
 //! the dominant cause with the share it really took. A prompt the decode
 //! worker prefills itself is one trace too, and says so.
-
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 // Whole-mesh scenarios read top to bottom as one story (issue 12 exempts tests).
 #![allow(clippy::too_many_lines)]
 

@@ -1,4 +1,6 @@
 //! The tokenizer service booted for real on a loopback port.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
 
 use pb::tokenizer_client::TokenizerClient;
 use pdmesh_proto::tokenizer::v1 as pb;
