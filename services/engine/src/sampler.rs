@@ -10,8 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 
-/// Upper bound on `temperature` (OpenAI's range is 0..=2).
-pub const MAX_TEMPERATURE: f32 = 2.0;
+pub use pdmesh_vocab::limits::MAX_TEMPERATURE;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {

@@ -1,6 +1,7 @@
 //! The OpenAI request bodies pdmesh accepts, parsed by hand from JSON so
 //! that every mistake gets an OpenAI-style error naming the field.
 
+use pdmesh_core::vocab::limits;
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 use serde_json::{Map, Value};
@@ -143,8 +144,9 @@ fn max_tokens(o: &Map<String, Value>, default: u32) -> Result<(u32, bool), BadRe
 /// other settings sample with the seed.
 fn sampling(o: &Map<String, Value>) -> Result<common::SamplingParams, BadRequest> {
     let temperature = number(o, "temperature")?.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(bad("temperature", format!("temperature must be between 0 and 2, got {temperature}")));
+    if !(0.0..=limits::MAX_TEMPERATURE as f64).contains(&temperature) {
+        let max = limits::MAX_TEMPERATURE;
+        return Err(bad("temperature", format!("temperature must be between 0 and {max}, got {temperature}")));
     }
     let top_p = number(o, "top_p")?.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
@@ -209,9 +211,6 @@ fn unsupported(o: &Map<String, Value>) -> Result<(), BadRequest> {
     Ok(())
 }
 
-/// Longest stop string accepted, in bytes.
-pub const MAX_STOP_BYTES: usize = 256;
-
 fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BadRequest> {
     let stop = match o.get("stop") {
         None | Some(Value::Null) => vec![],
@@ -221,8 +220,9 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BadRequest> {
         }
         Some(_) => return Err(bad("stop", "stop must be a string or an array of strings")),
     };
-    if stop.len() > 4 || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
-        return Err(bad("stop", format!("stop takes up to 4 non-empty strings of at most {MAX_STOP_BYTES} bytes")));
+    let (most, bytes) = (limits::MAX_STOP_STRINGS, limits::MAX_STOP_BYTES);
+    if stop.len() > most || stop.iter().any(|s| s.is_empty() || s.len() > bytes) {
+        return Err(bad("stop", format!("stop takes up to {most} non-empty strings of at most {bytes} bytes")));
     }
     Ok(stop)
 }

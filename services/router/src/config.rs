@@ -56,8 +56,8 @@ pub struct Config {
     /// RESOURCE_EXHAUSTED (HTTP 429 `router_busy` at the gateway).
     #[arg(long, env = "PDMESH_ROUTER_MAX_IN_FLIGHT", default_value_t = 4096)]
     pub max_in_flight: u64,
-    /// Most stop strings per request.
-    #[arg(long, env = "PDMESH_ROUTER_MAX_STOP", default_value_t = 8)]
+    /// Most stop strings per request (default: the gateway's, OpenAI's 4).
+    #[arg(long, env = "PDMESH_ROUTER_MAX_STOP", default_value_t = pdmesh_core::vocab::limits::MAX_STOP_STRINGS)]
     pub max_stop: usize,
     #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,

@@ -1,5 +1,6 @@
 //! Checking a Generate request before any work is done for it.
 
+use pdmesh_core::vocab::limits;
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 use tonic::Status;
@@ -45,14 +46,18 @@ pub fn validate(
         return Err(Status::invalid_argument("max_tokens must be at least 1"));
     }
     let s = r.sampling.unwrap_or_default();
-    if !(0.0..=2.0).contains(&s.temperature) {
-        return Err(Status::invalid_argument(format!("temperature must be in [0, 2], got {}", s.temperature)));
+    if !(0.0..=limits::MAX_TEMPERATURE).contains(&s.temperature) {
+        let max = limits::MAX_TEMPERATURE;
+        return Err(Status::invalid_argument(format!("temperature must be in [0, {max}], got {}", s.temperature)));
     }
     if !(0.0..=1.0).contains(&s.top_p) {
         return Err(Status::invalid_argument(format!("top_p must be in (0, 1], got {}", s.top_p)));
     }
-    if r.stop.len() > max_stop || r.stop.iter().any(|s| s.is_empty()) {
-        return Err(Status::invalid_argument(format!("stop takes at most {max_stop} non-empty strings")));
+    let bytes = limits::MAX_STOP_BYTES;
+    if r.stop.len() > max_stop || r.stop.iter().any(|s| s.is_empty() || s.len() > bytes) {
+        return Err(Status::invalid_argument(format!(
+            "stop takes at most {max_stop} non-empty strings of at most {bytes} bytes"
+        )));
     }
     let request_id = if r.request_id.is_empty() {
         fresh_id()
@@ -135,6 +140,10 @@ mod tests {
             "temperature",
         );
         bad(pb::GenerateRequest { stop: vec!["".into()], ..req("hi", 8) }, "stop");
+        // The gateway's bounds (one home: pdmesh_vocab::limits) hold for gRPC callers too.
+        let long = "x".repeat(limits::MAX_STOP_BYTES + 1);
+        bad(pb::GenerateRequest { stop: vec![long], ..req("hi", 8) }, "at most 256 bytes");
+        bad(pb::GenerateRequest { stop: vec!["a".into(); 5], ..req("hi", 8) }, "at most 4");
         bad(pb::GenerateRequest { request_id: "a b".into(), ..req("hi", 8) }, "request_id");
     }
 

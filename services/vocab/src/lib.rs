@@ -258,6 +258,18 @@ pub mod kernel {
     pub const PATH: &str = "kernel.path";
 }
 
+/// Request limits, one home for every layer that checks them: the gateway
+/// (OpenAI's API), the router (the gRPC API) and the engine.
+pub mod limits {
+    /// Highest sampling `temperature` (OpenAI's range is 0 to 2).
+    pub const MAX_TEMPERATURE: f32 = 2.0;
+    /// Most stop strings in a request (OpenAI's limit; the router's
+    /// `--max-stop` default for its gRPC clients).
+    pub const MAX_STOP_STRINGS: usize = 4;
+    /// Longest stop string, in bytes.
+    pub const MAX_STOP_BYTES: usize = 256;
+}
+
 /// What counts as an abnormal step: shared by the workers, which count
 /// slow and starved steps, and `meshctl explain`, which names them.
 pub mod steps {
