@@ -20,7 +20,7 @@ use tracing::Instrument;
 use crate::error::{decode_refusal, retryable};
 use crate::load::{Busy, Overlap, Prompt};
 use crate::pick::{cache_aware, least_busy, prefill_mode, Branch, Candidate, Mode};
-use crate::server::{AbortOnDrop, Router, PEER_WAIT};
+use crate::state::{AbortOnDrop, Router, PEER_WAIT};
 use crate::validate::Job;
 
 /// A worker chosen for one attempt, counted as busy while held.

@@ -8,10 +8,12 @@
 pub mod config;
 mod dispatch;
 mod error;
+mod flow;
 mod load;
 pub mod pick;
 mod relay;
 pub mod server;
+pub mod state;
 pub mod stop;
 mod validate;
 
@@ -28,7 +30,7 @@ use pdmesh_proto::router::v1 as pb;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::server::{Metrics, Router};
+use crate::state::{Metrics, Router};
 
 fn render(m: &Metrics, f: Format) -> String {
     let mut t = Text::new(f);
@@ -116,7 +118,7 @@ pub async fn serve(
     });
     let workers = [router.prefill.clone(), router.decode.clone()];
     let poll = load::poll_loads(router.loads.clone(), workers, Duration::from_millis(250));
-    let _poller = server::AbortOnDrop(tokio::spawn(poll));
+    let _poller = state::AbortOnDrop(tokio::spawn(poll));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
     let grpc = Grpc { service: "router", name: "pdmesh.router.v1.Router", routes };
     // Ready once every kind of worker is reachable.

@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 use crate::dispatch::{Dispatched, Pair};
 use crate::error::{decode_failure, decode_retryable, prefill_failure, prefill_retryable};
-use crate::server::{Router, Tx};
+use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::stop::StopMatcher;
 
 fn delta(ids: Vec<u32>, text: String) -> pb::GenerateResponse {
@@ -213,7 +213,7 @@ impl Router {
     async fn detokenize(&self, detok: &mut Option<Detok>, ids: Vec<u32>) -> Result<String, Status> {
         if detok.is_none() {
             let span = tracing::info_span!(span::DETOKENIZE);
-            let until = Instant::now() + crate::server::PEER_WAIT;
+            let until = Instant::now() + PEER_WAIT;
             let stream = self.open_patiently(&span, until).await?;
             let span = telemetry::Held(span);
             *detok = Some(Detok { stream, span, busy: Duration::ZERO, calls: 0, sent: Vec::new(), text_len: 0 });
@@ -243,8 +243,8 @@ impl Router {
             let _ = self.tokenizer.wait_any(until.saturating_duration_since(Instant::now())).await;
             match self.open_stream(span).await {
                 Ok(s) => return Ok(s),
-                Err(_) if Instant::now() + crate::server::PEER_RETRY < until => {
-                    tokio::time::sleep(crate::server::PEER_RETRY).await
+                Err(_) if Instant::now() + PEER_RETRY < until => {
+                    tokio::time::sleep(PEER_RETRY).await
                 }
                 Err(_) => return Err(tokenizer_lost()),
             }
@@ -256,7 +256,7 @@ impl Router {
     /// far and `ids`, and return only the text not yet received
     /// (detokenizing is deterministic). Tried for up to `PEER_WAIT`.
     async fn replay(&self, d: &mut Detok, ids: &[u32]) -> Result<String, Status> {
-        let until = Instant::now() + crate::server::PEER_WAIT;
+        let until = Instant::now() + PEER_WAIT;
         let all: Vec<u32> = d.sent.iter().chain(ids).copied().collect();
         loop {
             let mut fresh = self.open_patiently(d.span.span(), until).await?;
@@ -268,10 +268,10 @@ impl Router {
                 }
                 Err(e) => telemetry::mark_error(fresh.rpc.span(), e.message()),
             }
-            if Instant::now() + crate::server::PEER_RETRY >= until {
+            if Instant::now() + PEER_RETRY >= until {
                 return Err(tokenizer_lost());
             }
-            tokio::time::sleep(crate::server::PEER_RETRY).await;
+            tokio::time::sleep(PEER_RETRY).await;
         }
     }
 

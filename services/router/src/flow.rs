@@ -1,0 +1,203 @@
+//! One request's flow: tokenize, dispatch to a prefill and a decode worker
+//! ([`crate::dispatch`]), relay detokenized deltas ([`crate::relay`]),
+//! retry elsewhere when a worker fails before the first token — or end
+//! with one clear status, cancelling the KV transfer so both workers free
+//! their blocks.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdmesh_core::grpc::peer_lost;
+use pdmesh_core::metrics::Outcome;
+use pdmesh_core::telemetry::{self, SpanExt};
+use pdmesh_core::vocab::{attr, rpc, span};
+use pdmesh_proto::kvbroker::v1 as kpb;
+use pdmesh_proto::router::v1 as pb;
+use pdmesh_proto::tokenizer::v1 as tpb;
+use tonic::transport::Channel;
+use tonic::Request;
+use tonic::Status;
+use tracing::Instrument;
+
+use crate::dispatch::Avoid;
+use crate::relay::Failed;
+use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
+use crate::validate::{check_fits, fit_max_tokens, Input, Job};
+
+impl Router {
+    pub fn tokenizer_client(&self) -> Result<tpb::tokenizer_client::TokenizerClient<Channel>, Status> {
+        let list = self.tokenizer.instances();
+        let inst = list.first().ok_or_else(|| Status::unavailable("no live tokenizer"))?;
+        Ok(tpb::tokenizer_client::TokenizerClient::new(self.tokenizer.channel(inst).map_err(Status::internal)?))
+    }
+
+    async fn model_info(&self) -> Result<&tpb::InfoResponse, Status> {
+        self.info
+            .get_or_try_init(|| async {
+                let _ = self.tokenizer.wait_any(PEER_WAIT).await;
+                let mut c = self.tokenizer_client()?;
+                let (req, span) = telemetry::client_request(rpc::TOKENIZER_INFO, tpb::InfoRequest {});
+                let r = c.info(req).instrument(span.clone()).await;
+                Ok::<_, Status>(telemetry::finish(&span, r)?.into_inner())
+            })
+            .await
+    }
+
+    /// The prompt's ids from the tokenizer. Encoding has no side effects:
+    /// a tokenizer that cannot be reached (killed, restarting) is asked
+    /// again, the restarted one or another, for up to `PEER_WAIT` within
+    /// the deadline.
+    async fn encode(&self, input: Input, deadline: Option<Instant>) -> Result<Vec<u32>, Status> {
+        let input = match input {
+            pb::generate_request::Input::Prompt(p) => tpb::encode_request::Input::Prompt(p),
+            pb::generate_request::Input::Chat(c) => tpb::encode_request::Input::Chat(tpb::ChatMessages {
+                messages: c
+                    .messages
+                    .into_iter()
+                    .map(|m| tpb::ChatMessage { role: m.role, content: m.content })
+                    .collect(),
+            }),
+        };
+        let encode = tpb::EncodeRequest { input: Some(input), parse_special: false };
+        let until = Instant::now() + PEER_WAIT;
+        let r = loop {
+            let _ = self.tokenizer.wait_any(until.saturating_duration_since(Instant::now())).await;
+            let r = match self.tokenizer_client() {
+                Ok(mut c) => {
+                    let (mut req, span) = telemetry::client_request(rpc::TOKENIZER_ENCODE, encode.clone());
+                    crate::dispatch::set_deadline(&mut req, deadline);
+                    let r = c.encode(req).instrument(span.clone()).await;
+                    telemetry::finish(&span, r)
+                }
+                Err(e) => Err(e),
+            };
+            let again = Instant::now() + PEER_RETRY;
+            match r {
+                Err(e) if peer_lost(&e) && again < until && deadline.is_none_or(|d| again < d) => {
+                    tokio::time::sleep(PEER_RETRY).await
+                }
+                r => break r,
+            }
+        };
+        let r = r.map_err(|e| match e.code() {
+            // Our own timeout, or the tokenizer enforcing the deadline we sent it.
+            _ if crate::error::timed_out(&e)
+                || matches!(e.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded)
+                    && deadline
+                        .is_some_and(|d| d.saturating_duration_since(Instant::now()) < Duration::from_millis(20)) =>
+            {
+                Status::deadline_exceeded("the request's deadline passed while tokenizing")
+            }
+            tonic::Code::InvalidArgument => e,
+            _ if peer_lost(&e) => Status::unavailable("the tokenizer could not be reached"),
+            // The detail is on the Encode span; the client hears what failed.
+            _ => Status::unavailable("the tokenizer failed"),
+        })?;
+        Ok(r.into_inner().ids)
+    }
+
+    /// The `tokenize` span: the model's context length and the prompt's ids.
+    async fn tokenize(&self, input: Input, deadline: Option<Instant>) -> Result<(u32, Vec<u32>), Status> {
+        let tokenize = tracing::info_span!(span::TOKENIZE, { attr::PROMPT_TOKENS } = tracing::field::Empty);
+        async {
+            let context = self.model_info().await?.context_length;
+            let prompt = self.encode(input, deadline).await?;
+            tracing::Span::current().record(attr::PROMPT_TOKENS, prompt.len() as i64);
+            Ok((context, prompt))
+        }
+        .instrument(tokenize)
+        .await
+    }
+
+    pub async fn cancel_ticket(&self, request_id: &str, reason: &str) {
+        if let Some(inst) = self.broker.instances().first() {
+            if let Ok(ch) = self.broker.channel(inst) {
+                let mut c = kpb::kv_broker_client::KvBrokerClient::new(ch);
+                let mut req =
+                    Request::new(kpb::CancelTicketRequest { request_id: request_id.into(), reason: reason.into() });
+                req.set_timeout(Duration::from_secs(2));
+                let _ = c.cancel_ticket(req).await;
+            }
+        }
+    }
+
+    /// Run one validated request, sending events to `tx`. `ticket` holds
+    /// the ticket id in use, so the caller can cancel it when this fails.
+    /// A prefill or decode worker that fails before the first token reached
+    /// the caller is avoided on another dispatch (up to `--retries` times).
+    async fn run(&self, input: Input, mut job: Job, tx: &Tx, ticket: &Mutex<String>) -> Result<(), Status> {
+        let started = Instant::now();
+        let (context, prompt) = self.tokenize(input, job.deadline).await?;
+        if job.max_tokens_to_fit {
+            job.max_tokens = fit_max_tokens(prompt.len(), job.max_tokens, context);
+        }
+        check_fits(prompt.len(), job.max_tokens, context)?;
+        let n_prompt = prompt.len() as u32;
+        let mut avoid = Avoid::default();
+        let mut retries = 0u32;
+        loop {
+            let dispatched = self.dispatch(&job, &prompt, ticket, &avoid).await?;
+            let (prefill, decode) = (dispatched.prefill_addr.clone(), dispatched.decode_addr.clone());
+            let (e, counter, attr_key) = match self.relay(dispatched, job.stop.clone(), n_prompt, started, tx).await {
+                Ok(()) => return Ok(()),
+                Err(Failed::Other(e)) => return Err(e),
+                Err(Failed::Prefill(e)) => {
+                    avoid.prefill.extend(prefill);
+                    (e, &self.metrics.prefill_retries, attr::PREFILL_RETRIES)
+                }
+                Err(Failed::Decode(e)) => {
+                    avoid.decode.push(decode);
+                    (e, &self.metrics.decode_retries, attr::DECODE_RETRIES)
+                }
+            };
+            if retries >= self.retries {
+                return Err(e);
+            }
+            retries += 1;
+            let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            self.cancel_ticket(&id, "a worker failed; retrying elsewhere").await;
+            counter.fetch_add(1, Ordering::Relaxed);
+            // The failed attempt's worker span holds the cause; this says it was retried.
+            tracing::Span::current().set_attribute(attr_key, i64::from(retries));
+        }
+    }
+
+    /// Run `job` within `deadline` or until the caller goes away; on failure
+    /// cancel its ticket and send the status; count it in the metrics.
+    pub(crate) async fn serve(self: Arc<Self>, input: Input, mut job: Job, deadline: Duration, tx: Tx) {
+        let t0 = Instant::now();
+        job.deadline = Some(t0 + deadline);
+        let ticket = Mutex::new(String::new());
+        let r = tokio::select! {
+            r = tokio::time::timeout(deadline, self.run(input, job, &tx, &ticket)) => r.unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(format!(
+                    "request did not finish within its deadline of {:.1} s",
+                    deadline.as_secs_f64()
+                )))
+            }),
+            _ = tx.closed() => Err(Status::cancelled("client went away")),
+        };
+        let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());
+        if let Err(e) = r {
+            let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if !id.is_empty() {
+                self.cancel_ticket(&id, e.message()).await;
+            }
+            let _ = tx.send(Err(e)).await;
+        }
+        let trace_id = telemetry::trace_id(&tracing::Span::current());
+        self.metrics.e2e.observe_traced(t0.elapsed().as_secs_f64(), trace_id.as_deref());
+        self.metrics.outcomes.inc(Outcome::of_code(code));
+        self.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let span = tracing::Span::current();
+        span.record(attr::RPC_STATUS_CODE, code as i64);
+        if code != tonic::Code::Ok {
+            telemetry::mark_error(&span, &format!("{code:?}"));
+        }
+    }
+
+    pub(crate) fn fresh_request_id(&self) -> String {
+        format!("req-{:x}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+}
