@@ -243,9 +243,7 @@ impl Router {
             let _ = self.tokenizer.wait_any(until.saturating_duration_since(Instant::now())).await;
             match self.open_stream(span).await {
                 Ok(s) => return Ok(s),
-                Err(_) if Instant::now() + PEER_RETRY < until => {
-                    tokio::time::sleep(PEER_RETRY).await
-                }
+                Err(_) if Instant::now() + PEER_RETRY < until => tokio::time::sleep(PEER_RETRY).await,
                 Err(_) => return Err(tokenizer_lost()),
             }
         }

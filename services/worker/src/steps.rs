@@ -271,6 +271,36 @@ impl Meter {
     }
 }
 
+/// One span per engine step, child of the first request's span in the
+/// batch and linked to every request's span (`requests`), so each request's
+/// trace shows the steps it rode in and a step shows whom it served.
+pub fn step_span<'a>(
+    name: &'static str,
+    requests: impl Iterator<Item = &'a tracing::Span>,
+    batch: usize,
+) -> tracing::Span {
+    use pdmesh_core::telemetry::SpanExt;
+    if !pdmesh_core::telemetry::enabled() {
+        return tracing::Span::none();
+    }
+    let mut parent = None;
+    let mut links = Vec::new();
+    for r in requests {
+        if parent.is_none() {
+            parent = Some(r.clone());
+        }
+        if let Some(cx) = pdmesh_core::telemetry::span_context(r) {
+            links.push(cx);
+        }
+    }
+    let Some(parent) = parent else { return tracing::Span::none() };
+    let span = tracing::info_span!(parent: &parent, "step", otel.name = name, { attr::BATCH_SIZE } = batch as i64);
+    for cx in links {
+        span.add_link(cx);
+    }
+    span
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
