@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::error::{decode_refusal, retryable};
+use crate::error::{decode_refusal, retryable, Error};
 use crate::load::{Busy, Overlap, Prompt};
 use crate::pick::{cache_aware, least_busy, prefill_mode, Branch, Candidate, Mode};
 use crate::state::{AbortOnDrop, Router, PEER_WAIT};
@@ -169,8 +169,7 @@ impl Router {
     /// policy ([`cache_aware`] or [`least_busy`]), for a decode least busy.
     async fn pick(&self, peers: &Peers, tried: &[String], prompt: Option<&[u32]>) -> Result<Picked, Status> {
         let kind = peers.service();
-        let list =
-            peers.wait_any(PEER_WAIT).await.ok_or_else(|| Status::unavailable(format!("no live {kind} worker")))?;
+        let list = peers.wait_any(PEER_WAIT).await.ok_or_else(|| Error::NoWorker(kind.into()))?;
         let rotation = self.next_id.load(Ordering::Relaxed) as usize;
         let cache_aware_knobs = match (&self.policy, prompt) {
             (crate::config::Policy::CacheAware(k), Some(_)) => Some(*k),
@@ -183,13 +182,13 @@ impl Router {
         let (i, seen, overlap, branch, busy) = self
             .loads
             .pick(&list, tried, prompt.map(|tokens| Prompt { tokens, remember: kind == "prefill" }), policy)
-            .ok_or_else(|| Status::unavailable(format!("every {kind} worker refused or failed")))?;
+            .ok_or_else(|| Error::AllRefused(kind.into()))?;
         let inst = list[i].clone();
         record_pick(kind, &inst, seen, list.len());
         if prompt.is_some() {
             self.record_branch(kind, branch, seen, overlap);
         }
-        let ch = peers.channel(&inst).map_err(Status::internal)?;
+        let ch = peers.channel(&inst).map_err(Error::Internal)?;
         Ok(Picked { inst, ch, busy, cached_tokens: seen.overlap_blocks * overlap.block_size })
     }
 
@@ -245,7 +244,7 @@ impl Router {
                 Some(dpb::GenerateResponse { event: Some(dpb::generate_response::Event::Admitted(a)) }) => {
                     Ok((s, a.cached_tokens))
                 }
-                _ => Err(Status::internal("decode worker did not admit the request")),
+                _ => Err(Error::Internal("decode worker did not admit the request".into()).into()),
             }
         }
         .instrument(dspan.clone())

@@ -9,6 +9,57 @@
 pub use pdmesh_core::grpc::{is_transport, timed_out};
 use tonic::{Code, Status};
 
+/// The router's own failures, each mapped once to its gRPC status
+/// (`From<Error> for Status` below): the one place the router builds a
+/// status. A worker's failure is mapped by the functions after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// The request is malformed: what is wrong with it (INVALID_ARGUMENT).
+    BadRequest(String),
+    /// No live worker of this kind in discovery.
+    NoWorker(String),
+    /// Every worker of this kind tried refused or failed.
+    AllRefused(String),
+    /// The tokenizer failed, could not be reached, or broke a stream:
+    /// what happened, in the caller's words.
+    Tokenizer(&'static str),
+    /// A decode worker ended its stream without finishing the request.
+    DecodeEnded,
+    /// The request's deadline passed: while doing what.
+    Deadline(String),
+    /// The caller went away.
+    ClientGone,
+    /// The router serves its limit of requests at once.
+    Busy { limit: u64 },
+    /// A broken invariant or an unusable channel (a bug).
+    Internal(String),
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Status {
+        match e {
+            Error::BadRequest(m) => Status::invalid_argument(m),
+            Error::NoWorker(kind) => Status::unavailable(format!("no live {kind} worker")),
+            Error::AllRefused(kind) => Status::unavailable(format!("every {kind} worker refused or failed")),
+            Error::Tokenizer(what) => Status::unavailable(what),
+            Error::DecodeEnded => Status::unavailable("a decode worker ended the stream without finishing"),
+            Error::Deadline(m) => Status::deadline_exceeded(m),
+            Error::ClientGone => Status::cancelled("client went away"),
+            Error::Busy { limit } => {
+                let mut s = Status::resource_exhausted(format!(
+                    "the router serves {limit} requests at once, its limit; retry shortly"
+                ));
+                // The gateway turns this into OpenAI's 429 `router_busy`.
+                if let Ok(v) = "router_busy".parse() {
+                    s.metadata_mut().insert(pdmesh_core::vocab::OVERLOAD_HEADER, v);
+                }
+                s
+            }
+            Error::Internal(m) => Status::internal(m),
+        }
+    }
+}
+
 /// The mesh's fault, as the caller sees it: which kind of worker, and what
 /// happened. The worker's own words (they name workers, transports and
 /// libraries) stay on the failed call's span.
@@ -81,6 +132,24 @@ pub fn retryable(e: &Status) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_router_error_has_one_code_and_none_blames_the_client_for_the_mesh() {
+        let code = |e: Error| Status::from(e).code();
+        assert_eq!(code(Error::BadRequest("x".into())), Code::InvalidArgument);
+        assert_eq!(code(Error::NoWorker("decode".into())), Code::Unavailable);
+        assert_eq!(code(Error::AllRefused("prefill".into())), Code::Unavailable);
+        assert_eq!(code(Error::Tokenizer("the tokenizer failed")), Code::Unavailable);
+        assert_eq!(code(Error::DecodeEnded), Code::Unavailable);
+        assert_eq!(code(Error::Deadline("x".into())), Code::DeadlineExceeded);
+        assert_eq!(code(Error::ClientGone), Code::Cancelled);
+        assert_eq!(code(Error::Internal("x".into())), Code::Internal);
+        let busy = Status::from(Error::Busy { limit: 4096 });
+        assert_eq!(busy.code(), Code::ResourceExhausted);
+        let header = busy.metadata().get(pdmesh_core::vocab::OVERLOAD_HEADER).and_then(|v| v.to_str().ok());
+        assert_eq!(header, Some("router_busy"), "the gateway's 429 router_busy");
+        assert!(busy.message().contains("4096"));
+    }
 
     /// A status as the channel makes it when the connection breaks: the
     /// h2 error kept as its source.

@@ -21,6 +21,7 @@ use tonic::Status;
 use tracing::Instrument;
 
 use crate::dispatch::Avoid;
+use crate::error::Error;
 use crate::relay::Failed;
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::validate::{check_fits, fit_max_tokens, Input, Job};
@@ -28,8 +29,8 @@ use crate::validate::{check_fits, fit_max_tokens, Input, Job};
 impl Router {
     pub fn tokenizer_client(&self) -> Result<tpb::tokenizer_client::TokenizerClient<Channel>, Status> {
         let list = self.tokenizer.instances();
-        let inst = list.first().ok_or_else(|| Status::unavailable("no live tokenizer"))?;
-        Ok(tpb::tokenizer_client::TokenizerClient::new(self.tokenizer.channel(inst).map_err(Status::internal)?))
+        let inst = list.first().ok_or_else(|| Error::NoWorker("tokenizer".into()))?;
+        Ok(tpb::tokenizer_client::TokenizerClient::new(self.tokenizer.channel(inst).map_err(Error::Internal)?))
     }
 
     async fn model_info(&self) -> Result<&tpb::InfoResponse, Status> {
@@ -87,12 +88,12 @@ impl Router {
                     && deadline
                         .is_some_and(|d| d.saturating_duration_since(Instant::now()) < Duration::from_millis(20)) =>
             {
-                Status::deadline_exceeded("the request's deadline passed while tokenizing")
+                Error::Deadline("the request's deadline passed while tokenizing".into()).into()
             }
             tonic::Code::InvalidArgument => e,
-            _ if peer_lost(&e) => Status::unavailable("the tokenizer could not be reached"),
+            _ if peer_lost(&e) => Error::Tokenizer("the tokenizer could not be reached").into(),
             // The detail is on the Encode span; the client hears what failed.
-            _ => Status::unavailable("the tokenizer failed"),
+            _ => Error::Tokenizer("the tokenizer failed").into(),
         })?;
         Ok(r.into_inner().ids)
     }
@@ -171,12 +172,13 @@ impl Router {
         let ticket = Mutex::new(String::new());
         let r = tokio::select! {
             r = tokio::time::timeout(deadline, self.run(input, job, &tx, &ticket)) => r.unwrap_or_else(|_| {
-                Err(Status::deadline_exceeded(format!(
+                Err(Error::Deadline(format!(
                     "request did not finish within its deadline of {:.1} s",
                     deadline.as_secs_f64()
-                )))
+                ))
+                .into())
             }),
-            _ = tx.closed() => Err(Status::cancelled("client went away")),
+            _ = tx.closed() => Err(Error::ClientGone.into()),
         };
         let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|e| e.code());
         if let Err(e) = r {

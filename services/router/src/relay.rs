@@ -18,7 +18,7 @@ use tonic::Status;
 use tracing::Instrument;
 
 use crate::dispatch::{Dispatched, Pair};
-use crate::error::{decode_failure, decode_retryable, prefill_failure, prefill_retryable};
+use crate::error::{decode_failure, decode_retryable, prefill_failure, prefill_retryable, Error};
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::stop::StopMatcher;
 
@@ -115,7 +115,7 @@ impl Router {
                         }
                         Ok(Err(e)) => return Err(Failed::Other(prefill_failure(e))),
                         Err(_) => {
-                            let e = Status::internal("its call ended without an answer");
+                            let e = Error::Internal("its call ended without an answer".into()).into();
                             return Err(Failed::Prefill(prefill_failure(e)));
                         }
                     }
@@ -163,7 +163,7 @@ impl Router {
         let text = self.detokenize(&mut out.detok, ids.clone()).await?;
         let step = out.stops.push(&text);
         if tx.send(Ok(delta(ids, step.emit))).await.is_err() {
-            return Err(Status::cancelled("client went away"));
+            return Err(Error::ClientGone.into());
         }
         Ok(step.stopped)
     }
@@ -295,7 +295,7 @@ impl Router {
         };
         tx.send(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(fin)) }))
             .await
-            .map_err(|_| Status::cancelled("client went away"))
+            .map_err(|_| Error::ClientGone.into())
     }
 }
 
@@ -305,10 +305,10 @@ impl DetokStream {
         self.tx
             .send(tpb::DetokenizeRequest { ids, render_special: false })
             .await
-            .map_err(|_| Status::unavailable("the detokenize stream closed"))?;
+            .map_err(|_| Status::from(Error::Tokenizer("the detokenize stream closed")))?;
         match self.rx.message().instrument(self.rpc.span().clone()).await {
             Ok(Some(m)) => Ok(m.text),
-            Ok(None) => Err(Status::unavailable("the tokenizer ended the detokenize stream")),
+            Ok(None) => Err(Error::Tokenizer("the tokenizer ended the detokenize stream").into()),
             Err(e) => Err(e),
         }
     }
@@ -317,7 +317,7 @@ impl DetokStream {
 /// A tokenizer that could not be reached, or was lost mid-request and not
 /// replaced in time (the detail is on the Detokenize span).
 fn tokenizer_lost() -> Status {
-    Status::unavailable("the tokenizer was lost mid-request")
+    Error::Tokenizer("the tokenizer was lost mid-request").into()
 }
 
 /// The prefill's answer (its cached-token count) when the decode finished
@@ -339,7 +339,7 @@ fn event(
         Ok(Some(m)) => Ok(m.event),
         Ok(None) => {
             telemetry::mark_error(pair.decode_rpc.span(), "stream ended without finishing");
-            Err(Status::unavailable("a decode worker ended the stream without finishing"))
+            Err(Error::DecodeEnded.into())
         }
         Err(e) => {
             telemetry::record_status(pair.decode_rpc.span(), Some(&e));

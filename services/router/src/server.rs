@@ -15,6 +15,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::error::Error;
 use crate::state::Router;
 use crate::validate::validate;
 
@@ -44,11 +45,7 @@ impl pb::router_server::Router for Service {
         let trace_id = telemetry::trace_id(&span);
         if router.metrics.in_flight.fetch_add(1, Ordering::Relaxed) >= router.max_in_flight {
             router.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
-            let mut e = Status::resource_exhausted(format!(
-                "the router serves {} requests at once, its limit; retry shortly",
-                router.max_in_flight
-            ));
-            e.metadata_mut().insert(pdmesh_core::vocab::OVERLOAD_HEADER, "router_busy".parse().expect("ascii"));
+            let e = Status::from(Error::Busy { limit: router.max_in_flight });
             router.metrics.outcomes.inc(Outcome::of_code(e.code()));
             telemetry::record_status(&span, Some(&e));
             return Err(e);

@@ -5,6 +5,13 @@ use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 use tonic::Status;
 
+use crate::error::Error;
+
+/// A malformed request, as its status.
+fn bad(why: impl Into<String>) -> Status {
+    Error::BadRequest(why.into()).into()
+}
+
 /// A validated request, ready to run (its input goes to the tokenizer apart).
 pub struct Job {
     pub request_id: String,
@@ -32,37 +39,31 @@ pub fn validate(
     max_stop: usize,
     fresh_id: impl FnOnce() -> String,
 ) -> Result<(Input, Job), Status> {
-    let input = r.input.ok_or_else(|| Status::invalid_argument("set prompt or chat"))?;
+    let input = r.input.ok_or_else(|| bad("set prompt or chat"))?;
     match &input {
-        pb::generate_request::Input::Prompt(p) if p.is_empty() => {
-            return Err(Status::invalid_argument("prompt is empty"))
-        }
-        pb::generate_request::Input::Chat(c) if c.messages.is_empty() => {
-            return Err(Status::invalid_argument("messages is empty"))
-        }
+        pb::generate_request::Input::Prompt(p) if p.is_empty() => return Err(bad("prompt is empty")),
+        pb::generate_request::Input::Chat(c) if c.messages.is_empty() => return Err(bad("messages is empty")),
         _ => {}
     }
     if r.max_tokens == 0 {
-        return Err(Status::invalid_argument("max_tokens must be at least 1"));
+        return Err(bad("max_tokens must be at least 1"));
     }
     let s = r.sampling.unwrap_or_default();
     if !(0.0..=limits::MAX_TEMPERATURE).contains(&s.temperature) {
         let max = limits::MAX_TEMPERATURE;
-        return Err(Status::invalid_argument(format!("temperature must be in [0, {max}], got {}", s.temperature)));
+        return Err(bad(format!("temperature must be in [0, {max}], got {}", s.temperature)));
     }
     if !(0.0..=1.0).contains(&s.top_p) {
-        return Err(Status::invalid_argument(format!("top_p must be in (0, 1], got {}", s.top_p)));
+        return Err(bad(format!("top_p must be in (0, 1], got {}", s.top_p)));
     }
     let bytes = limits::MAX_STOP_BYTES;
     if r.stop.len() > max_stop || r.stop.iter().any(|s| s.is_empty() || s.len() > bytes) {
-        return Err(Status::invalid_argument(format!(
-            "stop takes at most {max_stop} non-empty strings of at most {bytes} bytes"
-        )));
+        return Err(bad(format!("stop takes at most {max_stop} non-empty strings of at most {bytes} bytes")));
     }
     let request_id = if r.request_id.is_empty() {
         fresh_id()
     } else if r.request_id.len() > MAX_REQUEST_ID || !r.request_id.chars().all(|c| c.is_ascii_graphic()) {
-        return Err(Status::invalid_argument("request_id must be at most 128 printable ASCII characters"));
+        return Err(bad("request_id must be at most 128 printable ASCII characters"));
     } else {
         r.request_id
     };
@@ -89,11 +90,11 @@ pub fn fit_max_tokens(n_prompt: usize, max_tokens: u32, context: u32) -> u32 {
 /// token comes from the prompt's own forward).
 pub fn check_fits(n_prompt: usize, max_tokens: u32, context: u32) -> Result<(), Status> {
     if n_prompt == 0 {
-        return Err(Status::invalid_argument("the prompt encodes to no tokens"));
+        return Err(bad("the prompt encodes to no tokens"));
     }
     let needed = n_prompt as u64 + max_tokens as u64 - 1;
     if needed > context as u64 {
-        return Err(Status::invalid_argument(format!(
+        return Err(bad(format!(
             "prompt has {n_prompt} tokens; with max_tokens {max_tokens} it needs {needed} positions but the context \
              holds {context}"
         )));
