@@ -15,7 +15,7 @@ use cudarc::cublas::sys;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::gpu::{GpuError, GpuErrorKind};
+use crate::gpu::{fits, GpuError, GpuErrorKind};
 
 /// Bytes of cuBLAS workspace, owned here so that a graph capture never
 /// makes cuBLAS allocate (NVIDIA's advice for GEMMs inside CUDA graphs).
@@ -135,14 +135,9 @@ impl Blas {
         cols: usize,
         n_tok: usize,
     ) -> Result<(), GpuError> {
-        let fits = |buf: &str, len: usize, need: usize| {
-            (len >= need).then_some(()).ok_or_else(|| {
-                GpuError::invalid(format!("gemm_f16: {buf} holds {len} values, the product needs {need}"))
-            })
-        };
-        fits("weights", w.len(), rows * cols)?;
-        fits("x", x.len(), n_tok * cols)?;
-        fits("y", y.len(), n_tok * rows)?;
+        fits("gemm_f16", "weights", w.len(), rows * cols)?;
+        fits("gemm_f16", "x", x.len(), n_tok * cols)?;
+        fits("gemm_f16", "y", y.len(), n_tok * rows)?;
         let g = GemmShape::linear(rows, cols, n_tok);
         let dim =
             |v: usize| i32::try_from(v).map_err(|_| GpuError::invalid(format!("gemm_f16: {v} does not fit an int")));

@@ -164,7 +164,7 @@ fn err(what: &str) -> impl Fn(DriverError) -> GpuError + '_ {
 }
 
 /// `Invalid` unless `len >= need`: a launch's bounds check.
-fn fits(what: &str, buffer: &str, len: usize, need: usize) -> Result<(), GpuError> {
+pub(crate) fn fits(what: &str, buffer: &str, len: usize, need: usize) -> Result<(), GpuError> {
     if len >= need {
         return Ok(());
     }

@@ -19,8 +19,7 @@ use pdmesh_engine::{ComputeBackend, EngineOptions};
 const NEAR_TIE: f32 = 0.05;
 
 fn gpu_engine(test: &str) -> Option<common::Fixture> {
-    if !pdmesh_cuda::gpu::driver_present() {
-        pdmesh_testkit::skip(test, "no CUDA driver (libcuda.so) on this machine");
+    if common::no_gpu(test) {
         return None;
     }
     Some(load(EngineOptions { backend: ComputeBackend::Cuda, ..Default::default() }))

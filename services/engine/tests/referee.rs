@@ -140,8 +140,7 @@ fn cpu_engine_against_the_f32_reference() {
 #[test]
 fn cuda_engine_is_at_least_as_close_to_the_reference_as_the_cpu() {
     let test = "cuda_engine_is_at_least_as_close_to_the_reference_as_the_cpu";
-    if !pdmesh_cuda::gpu::driver_present() {
-        pdmesh_testkit::skip(test, "no CUDA driver (libcuda.so) on this machine");
+    if common::no_gpu(test) {
         return;
     }
     let mut gpu = load(EngineOptions { backend: ComputeBackend::Cuda, ..Default::default() });
@@ -195,8 +194,7 @@ fn layer_by_layer_the_cpu_engine_stays_near_the_reference() {
 #[test]
 fn layer_by_layer_the_cuda_engine_tracks_the_cpus_gap() {
     let test = "layer_by_layer_the_cuda_engine_tracks_the_cpus_gap";
-    if !pdmesh_cuda::gpu::driver_present() {
-        pdmesh_testkit::skip(test, "no CUDA driver (libcuda.so) on this machine");
+    if common::no_gpu(test) {
         return;
     }
     let (cpu, gpu) = (layer_gaps(ComputeBackend::Cpu), layer_gaps(ComputeBackend::Cuda));

@@ -25,6 +25,16 @@ pub fn fixture() -> MutexGuard<'static, Fixture> {
     F.get_or_init(|| Mutex::new(load(EngineOptions::default()))).lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// True (and `test` recorded as skipped, with the reason) where there is
+/// no CUDA driver: a GPU test's first line.
+pub fn no_gpu(test: &str) -> bool {
+    let absent = !pdmesh_cuda::gpu::driver_present();
+    if absent {
+        pdmesh_testkit::skip(test, "no CUDA driver (libcuda.so) on this machine");
+    }
+    absent
+}
+
 pub fn load(opts: EngineOptions) -> Fixture {
     let g = Gguf::open(&model_path()).expect("opening the model");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
