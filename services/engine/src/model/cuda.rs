@@ -381,7 +381,7 @@ impl CudaModel {
             self.gpu
                 .stream
                 .memcpy_dtoh(&self.arena.slice(at), kv.block_bits_mut(*b))
-                .map_err(driver_err(&format!("copying KV block {b} to the host")))?;
+                .map_err(|e| driver_err(&format!("copying KV block {b} to the host"))(e))?;
         }
         self.gpu.sync().map_err(gpu_err)
     }
@@ -431,7 +431,7 @@ impl CudaModel {
             self.gpu
                 .stream
                 .memcpy_dtoh(&self.arena.slice(at), dst)
-                .map_err(driver_err(&format!("copying KV block {b} to the host")))?;
+                .map_err(|e| driver_err(&format!("copying KV block {b} to the host"))(e))?;
         }
         self.gpu.sync().map_err(gpu_err)?;
         let bytes = bits.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -447,7 +447,7 @@ impl CudaModel {
             self.gpu
                 .stream
                 .memcpy_htod(src, &mut self.arena.slice_mut(at))
-                .map_err(driver_err(&format!("copying KV block {b} to the GPU")))?;
+                .map_err(|e| driver_err(&format!("copying KV block {b} to the GPU"))(e))?;
         }
         Ok(())
     }
