@@ -18,10 +18,13 @@
 
 mod control;
 mod devca;
+mod flags;
 mod generate;
 mod inspect;
+mod plan;
 mod process;
 mod status;
+mod supervisor;
 mod up;
 
 use std::process::ExitCode;
@@ -38,7 +41,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Start the whole mesh on this machine and stay in the foreground.
-    Up(Box<up::Args>),
+    Up(Box<flags::Args>),
     /// List every instance with its addresses, health and load.
     Status(status::Args),
     /// Send one request through the router and stream the answer.
