@@ -13,6 +13,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 
 use pdmesh_core::metrics::{Format, Text};
+use pdmesh_core::vocab::metric;
 use pdmesh_proto::decode::v1 as pb;
 use pdmesh_worker::ServeError;
 use tokio::net::TcpListener;
@@ -23,22 +24,22 @@ use crate::config::Config;
 fn render(st: &Stats, f: Format) -> String {
     let mut t = Text::new(f);
     let g = |a: &std::sync::atomic::AtomicU32| a.load(Ordering::Relaxed) as f64;
-    t.gauge("pdmesh_decode_running", "Sequences in the running batch.", g(&st.running))
-        .gauge("pdmesh_decode_queued", "Sequences with their KV, waiting for a batch slot.", g(&st.queued))
-        .gauge("pdmesh_decode_awaiting_kv", "Admitted sequences waiting for their prompt's KV.", g(&st.awaiting_kv))
-        .gauge("pdmesh_decode_kv_blocks_used", "KV blocks reserved or in use.", g(&st.kv_used))
-        .gauge("pdmesh_decode_kv_blocks_pinned", "KV blocks held for requests not yet started (waiting for their KV, or quarantined after a failed transfer).", g(&st.kv_reserved))
-        .gauge("pdmesh_decode_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
-        .counter("pdmesh_decode_steps_total", "Decode steps run.", st.steps.load(Ordering::Relaxed))
-        .counter("pdmesh_decode_tokens_total", "Tokens streamed (including each first token).", st.tokens.load(Ordering::Relaxed))
-        .histogram("pdmesh_decode_step_seconds", "Duration of one decode step.", &st.step_seconds)
-        .gauge("pdmesh_decode_local_prefilling", "Local prefills admitted and not yet at their first token.", g(&st.local_prefilling))
-        .counter("pdmesh_decode_local_prefills_total", "Prompts prefilled by this decode worker itself (local prefill).", st.local_prefills.load(Ordering::Relaxed))
-        .counter("pdmesh_decode_local_prefill_tokens_total", "Prompt tokens computed by local prefills (cached ones not counted).", st.local_prefill_tokens.load(Ordering::Relaxed))
-        .counter("pdmesh_decode_tickets_reopened_total", "Transfer tickets opened again at a kvbroker that had lost them (restarted) before their transfer began.", st.tickets_reopened.load(Ordering::Relaxed));
-    st.outcomes.render(&mut t, "pdmesh_decode_requests_total", "Finished decode requests by outcome.");
-    st.prefix.render("decode", st.block_bytes, &mut t);
-    st.step_costs.render("decode", &mut t);
+    t.gauge(metric::decode::RUNNING, "Sequences in the running batch.", g(&st.running))
+        .gauge(metric::decode::QUEUED, "Sequences with their KV, waiting for a batch slot.", g(&st.queued))
+        .gauge(metric::decode::AWAITING_KV, "Admitted sequences waiting for their prompt's KV.", g(&st.awaiting_kv))
+        .gauge(metric::decode::KV_BLOCKS_USED, "KV blocks reserved or in use.", g(&st.kv_used))
+        .gauge(metric::decode::KV_BLOCKS_PINNED, "KV blocks held for requests not yet started (waiting for their KV, or quarantined after a failed transfer).", g(&st.kv_reserved))
+        .gauge(metric::decode::KV_BLOCKS_TOTAL, "KV blocks in the arena.", g(&st.kv_total))
+        .counter(metric::decode::STEPS_TOTAL, "Decode steps run.", st.steps.load(Ordering::Relaxed))
+        .counter(metric::decode::TOKENS_TOTAL, "Tokens streamed (including each first token).", st.tokens.load(Ordering::Relaxed))
+        .histogram(metric::decode::STEP_SECONDS, "Duration of one decode step.", &st.step_seconds)
+        .gauge(metric::decode::LOCAL_PREFILLING, "Local prefills admitted and not yet at their first token.", g(&st.local_prefilling))
+        .counter(metric::decode::LOCAL_PREFILLS_TOTAL, "Prompts prefilled by this decode worker itself (local prefill).", st.local_prefills.load(Ordering::Relaxed))
+        .counter(metric::decode::LOCAL_PREFILL_TOKENS_TOTAL, "Prompt tokens computed by local prefills (cached ones not counted).", st.local_prefill_tokens.load(Ordering::Relaxed))
+        .counter(metric::decode::TICKETS_REOPENED_TOTAL, "Transfer tickets opened again at a kvbroker that had lost them (restarted) before their transfer began.", st.tickets_reopened.load(Ordering::Relaxed));
+    st.outcomes.render(&mut t, metric::decode::REQUESTS_TOTAL, "Finished decode requests by outcome.");
+    st.prefix.render(&metric::decode::WORKER, st.block_bytes, &mut t);
+    st.step_costs.render(&metric::decode::WORKER, &mut t);
     t.finish()
 }
 

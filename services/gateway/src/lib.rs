@@ -25,6 +25,7 @@ use pdmesh_core::admin::AdminState;
 use pdmesh_core::metrics::{Format, Histogram, Outcome, Outcomes, Text};
 use pdmesh_core::peers::Peers;
 use pdmesh_core::serve::{Admin, ServeError};
+use pdmesh_core::vocab::metric;
 use pdmesh_proto::common::v1 as common;
 use pdmesh_proto::router::v1 as pb;
 use serde_json::{json, Value};
@@ -54,32 +55,32 @@ pub struct Gateway {
 
 fn render(g: &Gateway, f: Format) -> String {
     let mut t = Text::new(f);
-    t.gauge("pdmesh_gateway_in_flight", "HTTP requests being served.", g.in_flight.load(Ordering::Relaxed) as f64)
+    t.gauge(metric::gateway::IN_FLIGHT, "HTTP requests being served.", g.in_flight.load(Ordering::Relaxed) as f64)
         .histogram(
-            "pdmesh_gateway_request_seconds",
+            metric::gateway::REQUEST_SECONDS,
             "Time from request arrival to the last byte handed to the client.",
             &g.e2e,
         );
-    g.outcomes.render(&mut t, "pdmesh_gateway_requests_total", "Finished API requests by outcome.");
-    t.gauge("pdmesh_gateway_connections", "Client connections open.", g.conns.open.load(Ordering::Relaxed) as f64);
+    g.outcomes.render(&mut t, metric::gateway::REQUESTS_TOTAL, "Finished API requests by outcome.");
+    t.gauge(metric::gateway::CONNECTIONS, "Client connections open.", g.conns.open.load(Ordering::Relaxed) as f64);
     t.counter(
-        "pdmesh_gateway_connections_refused_total",
+        metric::gateway::CONNECTIONS_REFUSED_TOTAL,
         "Client connections answered 503 and closed because --max-connections were open.",
         g.conns.refused.load(Ordering::Relaxed),
     );
     if let Some(k) = &g.keys {
-        t.gauge("pdmesh_gateway_api_keys", "API keys in force.", k.count() as f64);
+        t.gauge(metric::gateway::API_KEYS, "API keys in force.", k.count() as f64);
         let refused = k.refused_counts();
         let v: Vec<(&str, f64)> = refused.iter().map(|(l, n)| (l.as_str(), *n as f64)).collect();
         t.labelled(
-            "pdmesh_gateway_auth_refused_total",
+            metric::gateway::AUTH_REFUSED_TOTAL,
             "counter",
             "Requests refused at the front door, by reason: missing_key, invalid_key (401), rate, concurrency (429).",
             "reason",
             &v,
         );
         t.counter(
-            "pdmesh_gateway_api_keys_reload_errors_total",
+            metric::gateway::API_KEYS_RELOAD_ERRORS_TOTAL,
             "Versions of the API keys file that did not parse (the last good keys stayed in force).",
             k.reload_errors.load(Ordering::Relaxed),
         );

@@ -16,6 +16,7 @@ use std::time::Duration;
 use pdmesh_core::admin::AdminState;
 use pdmesh_core::metrics::{Format, Text};
 use pdmesh_core::serve::{serve_grpc, Admin, Grpc, ServeError};
+use pdmesh_core::vocab::metric;
 use pdmesh_proto::kvbroker::v1 as pb;
 use tokio::net::TcpListener;
 
@@ -43,8 +44,8 @@ fn render_metrics(t: &Tickets, expired_total: u64, f: Format) -> String {
     .collect();
     let states: Vec<(&str, f64)> = states.iter().map(|(n, v)| (n.as_str(), *v)).collect();
     let mut m = Text::new(f);
-    m.labelled("pdmesh_kvbroker_tickets", "gauge", "Tickets held by the broker, by state.", "state", &states).counter(
-        "pdmesh_kvbroker_lease_expiries_total",
+    m.labelled(metric::kvbroker::TICKETS, "gauge", "Tickets held by the broker, by state.", "state", &states).counter(
+        metric::kvbroker::LEASE_EXPIRIES_TOTAL,
         "Tickets ended by lease expiry.",
         expired_total,
     );

@@ -18,43 +18,65 @@ pub struct Args {
     pub json: bool,
 }
 
-/// Load gauges worth showing, per service.
-fn load_of(service: &str, metrics: &str) -> serde_json::Value {
-    let names: &[&str] = match service {
-        "decode" => &[
-            "running",
-            "queued",
-            "awaiting_kv",
-            "local_prefilling",
-            "kv_blocks_used",
-            "prefix_cached_blocks",
-            "kv_blocks_total",
+/// Load gauges worth showing, per service: (JSON key, family).
+fn load_gauges(service: &str) -> Vec<(&'static str, &'static str)> {
+    use pdmesh_core::vocab::metric::{decode as d, gateway, prefill as p, router};
+    match service {
+        "decode" => vec![
+            ("running", d::RUNNING),
+            ("queued", d::QUEUED),
+            ("awaiting_kv", d::AWAITING_KV),
+            ("local_prefilling", d::LOCAL_PREFILLING),
+            ("kv_blocks_used", d::KV_BLOCKS_USED),
+            ("prefix_cached_blocks", d::WORKER.prefix_cached_blocks),
+            ("kv_blocks_total", d::KV_BLOCKS_TOTAL),
         ],
-        "prefill" => {
-            &["running", "queued", "queued_tokens", "expected_wait_seconds", "kv_blocks_used", "kv_blocks_total"]
-        }
-        "router" | "gateway" => &["in_flight"],
-        _ => &[],
-    };
+        "prefill" => vec![
+            ("running", p::RUNNING),
+            ("queued", p::QUEUED),
+            ("queued_tokens", p::QUEUED_TOKENS),
+            ("expected_wait_seconds", p::EXPECTED_WAIT_SECONDS),
+            ("kv_blocks_used", p::KV_BLOCKS_USED),
+            ("kv_blocks_total", p::KV_BLOCKS_TOTAL),
+        ],
+        "router" => vec![("in_flight", router::IN_FLIGHT)],
+        "gateway" => vec![("in_flight", gateway::IN_FLIGHT)],
+        _ => vec![],
+    }
+}
+
+fn load_of(service: &str, metrics: &str) -> serde_json::Value {
     let mut o = serde_json::Map::new();
-    for n in names {
-        if let Some(v) = metric(metrics, &format!("pdmesh_{service}_{n}")) {
-            o.insert((*n).into(), if v.fract() == 0.0 { json!(v as i64) } else { json!(v) });
+    for (key, family) in load_gauges(service) {
+        if let Some(v) = metric(metrics, family) {
+            o.insert(key.into(), if v.fract() == 0.0 { json!(v as i64) } else { json!(v) });
         }
     }
-    if matches!(service, "prefill" | "decode") {
-        o.insert("steps".into(), step_costs(service, metrics));
+    let worker = match service {
+        "prefill" => Some(pdmesh_core::vocab::metric::prefill::WORKER),
+        "decode" => Some(pdmesh_core::vocab::metric::decode::WORKER),
+        _ => None,
+    };
+    if let Some(w) = worker {
+        o.insert("steps".into(), step_costs(&w, metrics));
     }
     serde_json::Value::Object(o)
 }
 
-/// A worker's step-time counters (`pdmesh_<kind>_step_*_seconds_total`):
-/// two readings tell how its steps between them compared with its normal.
-fn step_costs(service: &str, metrics: &str) -> serde_json::Value {
+/// A worker's step-time counters: two readings tell how its steps between
+/// them compared with its normal.
+fn step_costs(w: &pdmesh_core::vocab::metric::Worker, metrics: &str) -> serde_json::Value {
+    let counters = [
+        ("wall_seconds", w.step_wall_seconds_total),
+        ("judged_seconds", w.step_judged_seconds_total),
+        ("normal_seconds", w.step_normal_seconds_total),
+        ("cpu_seconds", w.step_cpu_seconds_total),
+        ("runq_seconds", w.step_runq_seconds_total),
+    ];
     let mut o = serde_json::Map::new();
-    for n in ["wall", "judged", "normal", "cpu", "runq"] {
-        if let Some(v) = metric(metrics, &format!("pdmesh_{service}_step_{n}_seconds_total")) {
-            o.insert(format!("{n}_seconds"), json!(v));
+    for (key, family) in counters {
+        if let Some(v) = metric(metrics, family) {
+            o.insert(key.into(), json!(v));
         }
     }
     serde_json::Value::Object(o)

@@ -99,6 +99,16 @@ fn prometheus_scrapes_every_service() {
         assert!(t1.elapsed() < Duration::from_secs(30), "the gateway's request counter never reached Prometheus: {r}");
         std::thread::sleep(Duration::from_millis(500));
     }
+    // Every series Prometheus scraped belongs to a family named in the one
+    // vocabulary (pdmesh_vocab::metric); nothing else comes from the mesh.
+    let (code, body) = pdmesh_testkit::http_get(&addr, "/api/v1/label/__name__/values");
+    assert_eq!(code, 200, "{body}");
+    let names: Vec<String> =
+        serde_json::from_value(serde_json::from_str::<serde_json::Value>(&body).unwrap()["data"].clone()).unwrap();
+    let ours: Vec<&String> = names.iter().filter(|n| !(*n == "up" || n.starts_with("scrape_"))).collect();
+    let unlisted: Vec<&&String> = ours.iter().filter(|n| pdmesh_core::vocab::metric::family_of(n).is_none()).collect();
+    assert!(unlisted.is_empty(), "served but not in pdmesh_vocab::metric: {unlisted:?}");
+    assert!(ours.len() >= 50, "too few series scraped to judge: {ours:?}");
     // The TTFT histogram's exemplar in Prometheus names the request's trace,
     // and that trace reached the collector.
     let t2 = Instant::now();

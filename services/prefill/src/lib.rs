@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use pdmesh_core::metrics::{Format, Text};
+use pdmesh_core::vocab::metric;
 use pdmesh_proto::prefill::v1 as pb;
 use pdmesh_worker::kv::send::{KvTransport, NixlTransport, TcpTransport};
 use pdmesh_worker::ServeError;
@@ -24,44 +25,44 @@ use crate::config::Config;
 fn render(st: &Stats, f: Format) -> String {
     let mut t = Text::new(f);
     let g = |a: &std::sync::atomic::AtomicU32| a.load(Ordering::Relaxed) as f64;
-    t.gauge("pdmesh_prefill_running", "Prompts in the forward step now running.", g(&st.running))
-        .gauge("pdmesh_prefill_queued", "Prompts waiting for a forward step.", g(&st.queued))
+    t.gauge(metric::prefill::RUNNING, "Prompts in the forward step now running.", g(&st.running))
+        .gauge(metric::prefill::QUEUED, "Prompts waiting for a forward step.", g(&st.queued))
         .gauge(
-            "pdmesh_prefill_queued_tokens",
+            metric::prefill::QUEUED_TOKENS,
             "Prompt tokens of the queued prompts.",
             st.queued_tokens.load(Ordering::Relaxed) as f64,
         )
         .gauge(
-            "pdmesh_prefill_expected_wait_seconds",
+            metric::prefill::EXPECTED_WAIT_SECONDS,
             "How long a prompt arriving now would wait for the prefill ahead of it (queued and unfinished prompt tokens at the measured speed).",
             st.expected_wait_ms.load(Ordering::Relaxed) as f64 / 1e3,
         )
-        .gauge("pdmesh_prefill_kv_blocks_used", "KV blocks in use (only during a step).", g(&st.kv_used))
-        .gauge("pdmesh_prefill_kv_blocks_total", "KV blocks in the arena.", g(&st.kv_total))
+        .gauge(metric::prefill::KV_BLOCKS_USED, "KV blocks in use (only during a step).", g(&st.kv_used))
+        .gauge(metric::prefill::KV_BLOCKS_TOTAL, "KV blocks in the arena.", g(&st.kv_total))
         .gauge(
-            "pdmesh_prefill_kv_blocks_pinned",
+            metric::prefill::KV_BLOCKS_PINNED,
             "Blocks of prefilled prompts waiting for their transfer to end.",
             g(&st.kv_pinned),
         )
-        .counter("pdmesh_prefill_steps_total", "Batched prefill steps run.", st.steps.load(Ordering::Relaxed))
+        .counter(metric::prefill::STEPS_TOTAL, "Batched prefill steps run.", st.steps.load(Ordering::Relaxed))
         .counter(
-            "pdmesh_prefill_prompt_tokens_total",
+            metric::prefill::PROMPT_TOKENS_TOTAL,
             "Prompt tokens run forward.",
             st.prompt_tokens.load(Ordering::Relaxed),
         )
         .counter(
-            "pdmesh_prefill_kv_transfer_bytes_total",
+            metric::prefill::KV_TRANSFER_BYTES_TOTAL,
             "KV bytes written to decode workers.",
             st.transfer_bytes.load(Ordering::Relaxed),
         )
-        .histogram("pdmesh_prefill_step_seconds", "Duration of one batched prefill step.", &st.step_seconds)
+        .histogram(metric::prefill::STEP_SECONDS, "Duration of one batched prefill step.", &st.step_seconds)
         .histogram(
-            "pdmesh_prefill_kv_transfer_seconds",
+            metric::prefill::KV_TRANSFER_SECONDS,
             "Duration of one KV transfer to a decode worker.",
             &st.transfer_seconds,
         );
     t.labelled(
-        "pdmesh_prefill_kv_transfers_total",
+        metric::prefill::KV_TRANSFERS_TOTAL,
         "counter",
         "KV transfers to decode workers, by transport.",
         "transport",
@@ -70,9 +71,9 @@ fn render(st: &Stats, f: Format) -> String {
             ("tcp", st.transfers_tcp.load(Ordering::Relaxed) as f64),
         ],
     );
-    st.outcomes.render(&mut t, "pdmesh_prefill_requests_total", "Finished prefill requests by outcome.");
-    st.prefix.render("prefill", st.block_bytes, &mut t);
-    st.step_costs.render("prefill", &mut t);
+    st.outcomes.render(&mut t, metric::prefill::REQUESTS_TOTAL, "Finished prefill requests by outcome.");
+    st.prefix.render(&metric::prefill::WORKER, st.block_bytes, &mut t);
+    st.step_costs.render(&metric::prefill::WORKER, &mut t);
     t.finish()
 }
 

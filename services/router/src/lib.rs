@@ -26,6 +26,7 @@ use pdmesh_core::admin::AdminState;
 use pdmesh_core::metrics::{Format, Text};
 use pdmesh_core::peers::Peers;
 use pdmesh_core::serve::{serve_grpc, Admin, Grpc, ServeError};
+use pdmesh_core::vocab::metric;
 use pdmesh_proto::router::v1 as pb;
 use tokio::net::TcpListener;
 
@@ -34,55 +35,55 @@ use crate::state::{Metrics, Router};
 
 fn render(m: &Metrics, f: Format) -> String {
     let mut t = Text::new(f);
-    t.gauge("pdmesh_router_in_flight", "Requests being served.", m.in_flight.load(Ordering::Relaxed) as f64)
-        .histogram("pdmesh_router_ttft_seconds", "Time from request arrival to the first token.", &m.ttft)
-        .histogram("pdmesh_router_inter_token_seconds", "Gap between consecutive tokens of a request.", &m.itl)
-        .histogram("pdmesh_router_request_seconds", "Time from request arrival to its end.", &m.e2e)
+    t.gauge(metric::router::IN_FLIGHT, "Requests being served.", m.in_flight.load(Ordering::Relaxed) as f64)
+        .histogram(metric::router::TTFT_SECONDS, "Time from request arrival to the first token.", &m.ttft)
+        .histogram(metric::router::INTER_TOKEN_SECONDS, "Gap between consecutive tokens of a request.", &m.itl)
+        .histogram(metric::router::REQUEST_SECONDS, "Time from request arrival to its end.", &m.e2e)
         .counter(
-            "pdmesh_router_prompt_tokens_total",
+            metric::router::PROMPT_TOKENS_TOTAL,
             "Prompt tokens of finished requests.",
             m.prompt_tokens.load(Ordering::Relaxed),
         )
         .counter(
-            "pdmesh_router_completion_tokens_total",
+            metric::router::COMPLETION_TOKENS_TOTAL,
             "Tokens generated for finished requests.",
             m.completion_tokens.load(Ordering::Relaxed),
         );
     t.counter(
-        "pdmesh_router_cached_tokens_total",
+        metric::router::CACHED_TOKENS_TOTAL,
         "Prompt tokens of finished requests whose KV came from a worker's prefix cache.",
         m.cached_tokens.load(Ordering::Relaxed),
     )
     .counter(
-        "pdmesh_router_route_overlap_tokens_total",
+        metric::router::ROUTE_OVERLAP_TOKENS_TOTAL,
         "Prompt tokens the chosen prefill workers were expected to hold in their prefix caches.",
         m.route_overlap_tokens.load(Ordering::Relaxed),
     );
     t.labelled(
-        "pdmesh_router_prefill_picks_total",
+        metric::router::PREFILL_PICKS_TOTAL,
         "counter",
         "Prefill workers picked, by the policy branch taken.",
         "branch",
         &m.routes.counts(),
     );
     t.labelled(
-        "pdmesh_router_prefill_mode_total",
+        metric::router::PREFILL_MODE_TOTAL,
         "counter",
         "Requests by where their prompt was prefilled: local (by the decode worker) or remote (by a prefill worker).",
         "mode",
         &m.mode_counts(),
     );
     t.counter(
-        "pdmesh_router_prefill_retries_total",
+        metric::router::PREFILL_RETRIES_TOTAL,
         "Requests dispatched again because their prefill failed before the first token.",
         m.prefill_retries.load(Ordering::Relaxed),
     );
     t.counter(
-        "pdmesh_router_decode_retries_total",
+        metric::router::DECODE_RETRIES_TOTAL,
         "Requests dispatched again because their decode worker died or broke before the first token.",
         m.decode_retries.load(Ordering::Relaxed),
     );
-    m.outcomes.render(&mut t, "pdmesh_router_requests_total", "Finished requests by outcome.");
+    m.outcomes.render(&mut t, metric::router::REQUESTS_TOTAL, "Finished requests by outcome.");
     t.finish()
 }
 

@@ -1,6 +1,7 @@
 //! The tokenizer's metrics: requests by RPC and [`Outcome`].
 
 use pdmesh_core::metrics::{Format, Outcome, Outcomes, Text};
+use pdmesh_core::vocab::metric;
 
 const RPCS: [&str; 3] = ["encode", "detokenize", "info"];
 
@@ -22,7 +23,7 @@ impl Metrics {
         }
         let mut t = Text::new(f);
         let help = "Finished tokenizer requests by RPC and outcome.";
-        t.family("pdmesh_tokenizer_requests_total", "counter", help, &["rpc", "outcome"], &samples);
+        t.family(metric::tokenizer::REQUESTS_TOTAL, "counter", help, &["rpc", "outcome"], &samples);
         t.finish()
     }
 }

@@ -11,6 +11,8 @@
 /// OpenAI error code. Without it, RESOURCE_EXHAUSTED means no KV room.
 pub const OVERLOAD_HEADER: &str = "x-pdmesh-overload";
 
+pub mod metric;
+
 /// Span names (the OpenTelemetry span name is the `tracing` span name,
 /// except RPC spans, whose name is the gRPC method: see [`rpc`]).
 pub mod span {

@@ -5,6 +5,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use pdmesh_core::metrics::Text;
+use pdmesh_core::vocab::metric;
 use pdmesh_engine::blocks::{Blocks, PrefixCounters};
 use pdmesh_prefix::{BlockHash, CacheLog};
 use pdmesh_proto::common::v1 as common;
@@ -73,27 +74,26 @@ impl SharedPrefix {
         })
     }
 
-    /// `pdmesh_<service>_kv_blocks_free` and `pdmesh_<service>_prefix_*`.
-    pub fn render(&self, service: &str, block_bytes: usize, t: &mut Text) {
+    /// The free-list and prefix-cache families, named for this worker's kind.
+    pub fn render(&self, n: &metric::Worker, block_bytes: usize, t: &mut Text) {
         let p = self.lock();
-        let n = |what: &str| format!("pdmesh_{service}_{what}");
         let bytes = p.cached as f64 * block_bytes as f64;
-        t.gauge(&n("kv_blocks_free"), "KV blocks on the free list (neither held nor cached).", p.free as f64)
-            .gauge(&n("prefix_cached_blocks"), "KV blocks in the prefix cache, held or not.", p.cached as f64)
+        t.gauge(n.kv_blocks_free, "KV blocks on the free list (neither held nor cached).", p.free as f64)
+            .gauge(n.prefix_cached_blocks, "KV blocks in the prefix cache, held or not.", p.cached as f64)
             .gauge(
-                &n("prefix_evictable_blocks"),
+                n.prefix_evictable_blocks,
                 "Prefix-cache blocks no request holds (evicted first when room is needed).",
                 p.evictable as f64,
             )
-            .gauge(&n("prefix_cached_bytes"), "Bytes of KV in the prefix cache.", bytes)
-            .counter(&n("prefix_lookups_total"), "Prompts looked up in the prefix cache.", p.counters.lookups)
-            .counter(&n("prefix_hits_total"), "Prompts that reused at least one cached block.", p.counters.hits)
+            .gauge(n.prefix_cached_bytes, "Bytes of KV in the prefix cache.", bytes)
+            .counter(n.prefix_lookups_total, "Prompts looked up in the prefix cache.", p.counters.lookups)
+            .counter(n.prefix_hits_total, "Prompts that reused at least one cached block.", p.counters.hits)
             .counter(
-                &n("prefix_hit_tokens_total"),
+                n.prefix_hit_tokens_total,
                 "Prompt tokens whose KV came from the prefix cache instead of being computed.",
                 p.counters.hit_tokens,
             )
-            .counter(&n("prefix_stored_blocks_total"), "Blocks stored in the prefix cache.", p.counters.stored)
-            .counter(&n("prefix_evictions_total"), "Prefix-cache blocks evicted.", p.counters.evictions);
+            .counter(n.prefix_stored_blocks_total, "Blocks stored in the prefix cache.", p.counters.stored)
+            .counter(n.prefix_evictions_total, "Prefix-cache blocks evicted.", p.counters.evictions);
     }
 }

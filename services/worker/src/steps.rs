@@ -21,6 +21,7 @@ use std::time::Instant;
 use pdmesh_core::metrics::Text;
 use pdmesh_core::telemetry::SpanExt;
 use pdmesh_core::vocab::attr;
+use pdmesh_core::vocab::metric;
 
 pub use pdmesh_core::vocab::steps::{SLOW_FACTOR, STARVED_SHARE};
 /// Steps of one shape seen before its normal is trusted.
@@ -136,29 +137,28 @@ impl Counters {
         self.starved.fetch_add(u64::from(s.starved()), Ordering::Relaxed);
     }
 
-    /// `pdmesh_<kind>_step_*` families.
-    pub fn render(&self, kind: &str, t: &mut Text) {
+    /// The step-cost families, named for this worker's kind.
+    pub fn render(&self, n: &metric::Worker, t: &mut Text) {
         let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e6;
-        let n = |what: &str| format!("pdmesh_{kind}_step_{what}");
-        t.counter_f64(&n("wall_seconds_total"), "Wall time of all steps.", secs(&self.wall_us))
+        t.counter_f64(n.step_wall_seconds_total, "Wall time of all steps.", secs(&self.wall_us))
             .counter_f64(
-                &n("judged_seconds_total"),
+                n.step_judged_seconds_total,
                 "Wall time of the steps that had a normal to be judged against.",
                 secs(&self.judged_us),
             )
             .counter_f64(
-                &n("normal_seconds_total"),
+                n.step_normal_seconds_total,
                 "What those steps would normally have taken on this worker (their shapes' running normals).",
                 secs(&self.normal_us),
             )
-            .counter_f64(&n("cpu_seconds_total"), "CPU time of the step threads during steps.", secs(&self.cpu_us))
+            .counter_f64(n.step_cpu_seconds_total, "CPU time of the step threads during steps.", secs(&self.cpu_us))
             .counter_f64(
-                &n("runq_seconds_total"),
+                n.step_runq_seconds_total,
                 "Time the step threads were runnable but waiting for a CPU, during steps.",
                 secs(&self.runq_us),
             )
             .counter(
-                &n("starved_total"),
+                n.step_starved_total,
                 "Steps whose threads waited for a CPU for a fifth or more of their runnable time.",
                 self.starved.load(Ordering::Relaxed),
             );

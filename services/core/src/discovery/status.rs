@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::metrics::Text;
+use crate::vocab::metric;
 
 /// The process's discovery status (see the module docs).
 #[derive(Default)]
@@ -59,12 +60,12 @@ impl DiscoveryHealth {
     /// The discovery families of `/metrics`.
     pub fn render(&self, t: &mut Text) {
         t.gauge(
-            "pdmesh_discovery_up",
+            metric::shared::DISCOVERY_UP,
             "1 while the discovery backend answers; 0 while this instance serves on its last view",
             if self.is_up() { 1.0 } else { 0.0 },
         );
         t.counter(
-            "pdmesh_discovery_errors_total",
+            metric::shared::DISCOVERY_ERRORS_TOTAL,
             "Failed calls to the discovery backend (watches, heartbeats)",
             self.errors.load(Ordering::Relaxed),
         );
