@@ -16,6 +16,7 @@
 //! ```
 
 pub mod consul;
+pub mod fake;
 
 use std::fmt::Debug;
 use std::future::Future;

@@ -1,0 +1,195 @@
+//! The router against scripted FAKE workers (pdmesh_testkit::fake: a
+//! tokenizer, prefill and decode workers that follow a script instead of
+//! running the model) and a real kvbroker, in this process: its retry,
+//! refusal, detokenize replay and deadline logic in seconds. The
+//! whole-mesh tests in services/meshctl/tests check the same paths with
+//! the real workers and the real model.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use pdmesh_proto::router::v1 as pb;
+use pdmesh_testkit::fake::{
+    self, fake_text, Board, DecodeReply, FakeDecode, FakePrefill, FakeTokenizer, PrefillReply, Script, TokenizerScript,
+};
+use pdmesh_testkit::Running;
+use tonic::Code;
+
+/// A router in front of fakes: its address and everything kept running.
+struct Setup {
+    router: Running,
+    decode_calls: Vec<Arc<std::sync::atomic::AtomicUsize>>,
+    _rest: Vec<Running>,
+}
+
+fn addr(r: &Running) -> String {
+    r.addr.to_string()
+}
+
+/// `prefills` and `decodes` fake instances, each kind sharing one script.
+async fn setup(
+    tok: TokenizerScript,
+    prefill: Arc<Script<PrefillReply>>,
+    prefills: usize,
+    decode: Arc<Script<DecodeReply>>,
+    decodes: usize,
+    router_flags: &[&str],
+) -> Setup {
+    let board = Board::default();
+    let tokenizer = fake::serve(FakeTokenizer::routes(tok)).await;
+    let mut p = Vec::new();
+    for _ in 0..prefills {
+        p.push(fake::serve(FakePrefill::routes(prefill.clone(), board.clone())).await);
+    }
+    let (mut d, mut decode_calls) = (Vec::new(), Vec::new());
+    for _ in 0..decodes {
+        let (routes, calls) = FakeDecode::routes(decode.clone(), board.clone());
+        d.push(fake::serve(routes).await);
+        decode_calls.push(calls);
+    }
+    let broker_cfg = pdmesh_kvbroker::config::Config::parse_from(["pdmesh-kvbroker"]);
+    let broker = pdmesh_testkit::spawn(|l, stop| pdmesh_kvbroker::serve(broker_cfg, l, stop)).await;
+    pdmesh_testkit::wait_healthy(&broker.url, "pdmesh.kvbroker.v1.KvBroker").await;
+    let join = |v: &[Running]| v.iter().map(addr).collect::<Vec<_>>().join(",");
+    let mut args = vec![
+        "pdmesh-router".to_string(),
+        "--tokenizer-addr".into(),
+        addr(&tokenizer),
+        "--prefill-addr".into(),
+        join(&p),
+        "--decode-addr".into(),
+        join(&d),
+        "--kvbroker-addr".into(),
+        addr(&broker),
+        // Every prompt goes to a prefill worker unless a test says otherwise.
+        "--max-local-prefill".into(),
+        "0".into(),
+    ];
+    args.extend(router_flags.iter().map(|f| f.to_string()));
+    let cfg = pdmesh_router::config::Config::parse_from(args);
+    let router = pdmesh_testkit::spawn(|l, stop| pdmesh_router::serve(cfg, l, stop)).await;
+    pdmesh_testkit::wait_healthy(&router.url, "pdmesh.router.v1.Router").await;
+    let mut rest = vec![tokenizer, broker];
+    rest.extend(p);
+    rest.extend(d);
+    Setup { router, decode_calls, _rest: rest }
+}
+
+/// What the caller of Generate saw: the text, or the status that ended it.
+async fn generate(
+    router: &Running,
+    prompt: &str,
+    max_tokens: u32,
+    timeout: Option<Duration>,
+) -> Result<String, tonic::Status> {
+    let mut c = pb::router_client::RouterClient::connect(router.url.clone()).await.unwrap();
+    let mut req = tonic::Request::new(pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Prompt(prompt.into())),
+        max_tokens,
+        ..Default::default()
+    });
+    if let Some(t) = timeout {
+        req.set_timeout(t);
+    }
+    let mut s = c.generate(req).await?.into_inner();
+    let mut text = String::new();
+    while let Some(m) = s.message().await? {
+        match m.event {
+            Some(pb::generate_response::Event::Delta(d)) => text.push_str(&d.text),
+            Some(pb::generate_response::Event::Finished(_)) => return Ok(text),
+            None => {}
+        }
+    }
+    Err(tonic::Status::internal("the stream ended without a Finished event"))
+}
+
+fn ids(s: &str) -> Vec<u32> {
+    s.bytes().map(u32::from).collect()
+}
+
+#[tokio::test]
+async fn a_prefill_that_fails_before_the_first_token_is_retried_on_another_worker() {
+    // Whichever of the two prefill workers is tried first fails; the other answers.
+    let prefill = Script::new(vec![PrefillReply::Fail(Code::Unavailable), PrefillReply::Answer { first_token: 104 }]);
+    let decode = Script::new(vec![DecodeReply::Serve(ids("hello"))]);
+    let s = setup(TokenizerScript::default(), prefill.clone(), 2, decode.clone(), 1, &[]).await;
+    let text = generate(&s.router, "hi", 5, None).await.unwrap();
+    assert_eq!(text, "hello");
+    assert_eq!(prefill.calls(), 2, "one failed prefill, one retried");
+    assert_eq!(decode.calls(), 2, "the decode side is dispatched again with the retry");
+}
+
+#[tokio::test]
+async fn a_decode_worker_that_refuses_is_passed_over_for_another() {
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 111 }]);
+    let decode = Script::new(vec![DecodeReply::Refuse(Code::ResourceExhausted), DecodeReply::Serve(ids("ok"))]);
+    let s = setup(TokenizerScript::default(), prefill, 1, decode.clone(), 2, &[]).await;
+    assert_eq!(generate(&s.router, "hi", 2, None).await.unwrap(), "ok");
+    let per_worker: Vec<usize> = s.decode_calls.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+    assert_eq!(per_worker, vec![1, 1], "the refusing worker once, the other once");
+}
+
+#[tokio::test]
+async fn a_refusal_from_the_only_decode_worker_reaches_the_caller_as_no_room() {
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 111 }]);
+    let decode = Script::new(vec![DecodeReply::Refuse(Code::ResourceExhausted)]);
+    let s = setup(TokenizerScript::default(), prefill, 1, decode, 1, &[]).await;
+    let e = generate(&s.router, "hi", 2, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+}
+
+#[tokio::test]
+async fn a_detokenize_stream_lost_midway_is_replayed_with_no_text_lost_or_repeated() {
+    let tok = TokenizerScript { dying_streams: 1, die_after: 3, ..Default::default() };
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 112 }]);
+    let answer = "pdmesh streams on";
+    let decode = Script::new(vec![DecodeReply::Serve(ids(answer))]);
+    let s = setup(tok, prefill, 1, decode, 1, &[]).await;
+    let text = generate(&s.router, "hi", 64, None).await.unwrap();
+    assert_eq!(text, fake_text(&ids(answer)));
+}
+
+#[tokio::test]
+async fn a_decode_worker_lost_before_the_first_token_is_replaced_and_after_it_is_reported_as_the_meshs_fault() {
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
+    let decode =
+        Script::new(vec![DecodeReply::DieAfter { tokens: ids("abc"), after: 0 }, DecodeReply::Serve(ids("abc"))]);
+    let s = setup(TokenizerScript::default(), prefill.clone(), 1, decode, 2, &[]).await;
+    assert_eq!(generate(&s.router, "hi", 3, None).await.unwrap(), "abc", "retried before the first token");
+
+    let decode = Script::new(vec![DecodeReply::DieAfter { tokens: ids("abc"), after: 2 }]);
+    let s = setup(TokenizerScript::default(), prefill, 1, decode, 2, &[]).await;
+    let e = generate(&s.router, "hi", 3, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "never the client's fault: {e:?}");
+}
+
+#[tokio::test]
+async fn a_deadline_passing_while_tokenizing_ends_the_request_by_its_deadline() {
+    let tok = TokenizerScript { encode_delay: Duration::from_secs(30), ..Default::default() };
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
+    let decode = Script::new(vec![DecodeReply::Serve(ids("x"))]);
+    let s = setup(tok, prefill.clone(), 1, decode, 1, &[]).await;
+    let t0 = Instant::now();
+    let e = generate(&s.router, "hi", 1, Some(Duration::from_millis(800))).await.unwrap_err();
+    // The caller's own deadline or the router's answer, whichever came first:
+    // either way a deadline, and well before the tokenizer's 30 s.
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "ended after {:?}", t0.elapsed());
+    assert_eq!(prefill.calls(), 0, "nothing was dispatched");
+}
+
+#[tokio::test]
+async fn a_stalled_prefill_ends_by_the_routers_own_deadline() {
+    let prefill = Script::new(vec![PrefillReply::Stall]);
+    let decode = Script::new(vec![DecodeReply::Serve(ids("x"))]);
+    let s = setup(TokenizerScript::default(), prefill, 1, decode, 1, &["--request-timeout-s", "1"]).await;
+    let t0 = Instant::now();
+    // No deadline from the caller: the router's --request-timeout-s holds.
+    let e = generate(&s.router, "hi", 1, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "ended after {:?}", t0.elapsed());
+}
