@@ -12,6 +12,10 @@ bash scripts/deps.sh --apt prometheus openai==3.57.0 kubernetes-validate==1.37.0
 # here a missing NVRTC fails the kernel test instead of skipping it.
 PDMESH_NVRTC_LIB="$(python3 -c 'import os, nvidia.cuda_nvrtc as m; print(os.path.join(list(m.__path__)[0], "lib", "libnvrtc.so.12"))')"
 export PDMESH_NVRTC_LIB PDMESH_REQUIRE_NVRTC=1
+# Jaeger, built once per machine from its Go module into the pdmesh cache
+# (about 3.5 min the first time): the tracing test reads traces back from it.
+PDMESH_JAEGER_BIN="$(bash scripts/jaeger.sh)"
+export PDMESH_JAEGER_BIN PDMESH_REQUIRE_JAEGER=1
 cargo build --release --workspace --all-targets
 ./target/release/pdmesh-engine fetch
 log=$(mktemp)

@@ -51,10 +51,41 @@ fn send(
     )?;
     let mut resp = Vec::new();
     s.read_to_end(&mut resp)?;
-    let resp = String::from_utf8_lossy(&resp);
-    let code = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    Ok((code, body))
+    Ok(parse_response(&resp))
+}
+
+/// (status code, body) of a whole HTTP/1.1 response; a chunked body (Go
+/// servers such as Jaeger and Prometheus send long answers so) is joined.
+fn parse_response(resp: &[u8]) -> (u16, String) {
+    let split = resp.windows(4).position(|w| w == b"\r\n\r\n");
+    let (head, body) = match split {
+        Some(i) => (String::from_utf8_lossy(&resp[..i]), &resp[i + 4..]),
+        None => (String::from_utf8_lossy(resp), &resp[resp.len()..]),
+    };
+    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let chunked = head.lines().any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("transfer-encoding") && v.to_ascii_lowercase().contains("chunked")
+        })
+    });
+    let body = if chunked { dechunk(body) } else { body.to_vec() };
+    (code, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// The data of a chunked body: `<hex size>\r\n<data>\r\n` ... `0\r\n\r\n`.
+fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+        let size = String::from_utf8_lossy(&rest[..eol]);
+        let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        let data = &rest[eol + 2..];
+        if n == 0 || data.len() < n {
+            break;
+        }
+        out.extend_from_slice(&data[..n]);
+        rest = data[n..].strip_prefix(b"\r\n").unwrap_or(&data[n..]);
+    }
+    out
 }
 
 /// The value of an unlabelled sample (or the first sample whose name and
@@ -74,5 +105,13 @@ mod tests {
         assert_eq!(super::metric(t, "a"), Some(3.0));
         assert_eq!(super::metric(t, "b{outcome=\"ok\"}"), Some(5.0));
         assert_eq!(super::metric(t, "c"), None);
+    }
+
+    #[test]
+    fn chunked_bodies_are_joined_and_plain_ones_kept() {
+        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n3\r\n1}\n\r\n0\r\n\r\n";
+        assert_eq!(super::parse_response(chunked), (200, "{\"a\":1}\n".to_string()));
+        let plain = b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nno\n";
+        assert_eq!(super::parse_response(plain), (404, "no\n".to_string()));
     }
 }

@@ -125,6 +125,9 @@ pub struct Args {
     /// Tracing flags, passed to every service.
     #[command(flatten)]
     pub telemetry: pdmesh_core::telemetry::TelemetryArgs,
+    /// A local Jaeger for the mesh's traces.
+    #[command(flatten)]
+    pub jaeger: crate::jaeger::JaegerArgs,
     /// Which engine steps of prefill and decode carry kernel-launch spans: off, all, or the first N steps of each request.
     #[arg(long, env = "PDMESH_TRACE_KERNEL_STEPS", default_value = "off")]
     pub trace_kernel_steps: String,

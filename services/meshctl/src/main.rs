@@ -21,6 +21,7 @@ mod devca;
 mod flags;
 mod generate;
 mod inspect;
+mod jaeger;
 mod plan;
 mod process;
 mod status;

@@ -242,6 +242,11 @@ impl Ctx {
         Ok(svcs)
     }
 
+    /// Where the services' logs go.
+    pub fn log_dir(&self) -> &Path {
+        &self.log_dir
+    }
+
     /// Write the Prometheus target list, if asked for.
     pub fn write_targets(&self, svcs: &[Svc]) {
         if let Some(Err(e)) = self.a.prometheus_sd.as_ref().map(|f| write_prometheus_sd(f, svcs)) {

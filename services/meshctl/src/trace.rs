@@ -379,16 +379,22 @@ pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
             .to_string();
         let refs: Vec<&Value> =
             s.get("references").and_then(|v| v.as_array()).map(|r| r.iter().collect()).unwrap_or_default();
+        // Jaeger's model: the first reference is the parent. A span whose
+        // parent is also one of its links (a batch step under its first
+        // request) comes with that reference as FOLLOWS_FROM only.
+        let trace_id = s.get("traceID").and_then(|v| v.as_str()).unwrap_or_default();
+        let ref_type = |r: &&&Value| r.get("refType").and_then(|t| t.as_str()).map(str::to_string);
         let parent = refs
             .iter()
-            .find(|r| r.get("refType").and_then(|t| t.as_str()) == Some("CHILD_OF"))
+            .find(|r| ref_type(r).as_deref() == Some("CHILD_OF"))
+            .or_else(|| refs.iter().find(|r| r.get("traceID").and_then(|v| v.as_str()) == Some(trace_id)))
             .and_then(|r| r.get("spanID"))
             .and_then(|v| v.as_str())
             .unwrap_or_default()
             .to_string();
         let links = refs
             .iter()
-            .filter(|r| r.get("refType").and_then(|t| t.as_str()) == Some("FOLLOWS_FROM"))
+            .filter(|r| ref_type(r).as_deref() == Some("FOLLOWS_FROM"))
             .filter_map(|r| Some((r.get("traceID")?.as_str()?.to_string(), r.get("spanID")?.as_str()?.to_string())))
             .collect();
         let start_us = s.get("startTime").and_then(|v| v.as_u64()).unwrap_or(0);
@@ -415,7 +421,7 @@ pub fn from_jaeger(doc: &Value) -> Result<Vec<Span>, String> {
             })
             .collect();
         out.push(Span {
-            trace_id: s.get("traceID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+            trace_id: trace_id.to_string(),
             span_id: s.get("spanID").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
             parent_id: parent,
             name: s.get("operationName").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
@@ -619,6 +625,25 @@ mod tests {
         for (p, q) in e1.parts.iter().zip(&e2.parts) {
             assert!((p.ms - q.ms).abs() < 0.01, "{} {} vs {}", p.cause, p.ms, q.ms);
         }
+    }
+
+    #[test]
+    fn a_jaeger_span_whose_parent_is_also_its_link_keeps_its_parent() {
+        // What the real Jaeger v1.75 gives for a batch step: its parent (the
+        // first request's span) only as a FOLLOWS_FROM reference.
+        let doc = json!({ "data": [{ "processes": { "p1": { "serviceName": "pdmesh-decode" } }, "spans": [
+            { "traceID": "t", "spanID": "loop", "operationName": "decode_loop", "references": [],
+              "startTime": 1, "duration": 5, "tags": [], "processID": "p1" },
+            { "traceID": "t", "spanID": "step", "operationName": "decode_step", "startTime": 2, "duration": 1,
+              "references": [{ "refType": "FOLLOWS_FROM", "traceID": "t", "spanID": "loop" },
+                             { "refType": "FOLLOWS_FROM", "traceID": "u", "spanID": "other" }],
+              "tags": [], "processID": "p1" },
+        ]}]});
+        let spans = from_jaeger(&doc).unwrap();
+        let step = spans.iter().find(|s| s.name == "decode_step").unwrap();
+        assert_eq!(step.parent_id, "loop");
+        assert_eq!(step.links, vec![("t".to_string(), "loop".to_string()), ("u".to_string(), "other".to_string())]);
+        assert_eq!(spans.iter().find(|s| s.name == "decode_loop").unwrap().parent_id, "");
     }
 
     #[test]

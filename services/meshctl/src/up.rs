@@ -3,12 +3,21 @@
 use std::time::Duration;
 
 use crate::flags::Args;
+use crate::jaeger::Jaeger;
 use crate::process::write_prometheus_sd;
 use crate::supervisor::{start_all, stop_all, Mesh};
 use crate::{control, plan};
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let ctx = plan::context(a).await?;
+    let mut ctx = plan::context(a).await?;
+    // Jaeger first, so every service exports to it from its first span.
+    let jaeger = match ctx.a.jaeger.jaeger {
+        true => Some(Jaeger::start(&ctx.a.jaeger, &ctx.a.cache.dir(), ctx.log_dir())?),
+        false => None,
+    };
+    if let Some(j) = &jaeger {
+        ctx.a.telemetry.otlp_endpoint = Some(j.otlp.clone());
+    }
     let mut svcs = ctx.plan()?;
     let mut stop = Box::pin(pdmesh_core::signal::shutdown_signal());
     let started = start_all(&mut svcs, Duration::from_secs(ctx.a.ready_timeout_s), &mut stop).await;
@@ -26,6 +35,9 @@ pub async fn run(a: Args) -> Result<(), String> {
         eprintln!("meshctl: no control endpoint ({e}); scale, drain and restart are unavailable");
     }
     println!("pdmesh is up: http://{}/v1 (discovery {}); Ctrl-C stops it", mesh.ctx.a.gateway_addr, mesh.ctx.locator);
+    if let Some(j) = &jaeger {
+        println!("traces: {} (Jaeger UI; search service pdmesh-gateway)", j.ui);
+    }
     mesh.supervise(control.ok(), &mut stop).await;
     eprintln!("meshctl: stopping (gateway first)");
     let grace = mesh.ctx.a.drain.grace();

@@ -1,0 +1,181 @@
+//! The real Jaeger (v1.75.0, built by scripts/jaeger.sh, which
+//! scripts/test.sh runs): `meshctl up --jaeger` starts it and points every
+//! service at it; a request's trace is read back through Jaeger's query
+//! API whole (six services, one root, no orphans, kernel spans);
+//! `meshctl explain --jaeger` agrees with the OTLP-file path on the same
+//! trace (Jaeger forwards every span to a collector that writes the file);
+//! and a slow request is found by its duration through Jaeger's search
+//! API, as an operator would.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+use pdmesh_core::vocab::kernel;
+use pdmesh_meshctl::explain::explain;
+use pdmesh_meshctl::sink::Sink;
+use pdmesh_meshctl::trace::{from_jaeger, read_otlp_file, to_otlp_json, Span};
+
+const SERVICES: [&str; 6] =
+    ["pdmesh-gateway", "pdmesh-router", "pdmesh-tokenizer", "pdmesh-prefill", "pdmesh-decode", "pdmesh-kvbroker"];
+
+/// The Jaeger binary: PDMESH_JAEGER_BIN, else where scripts/jaeger.sh builds it.
+fn jaeger_bin() -> Option<PathBuf> {
+    if let Some(b) = std::env::var_os("PDMESH_JAEGER_BIN") {
+        return Some(PathBuf::from(b));
+    }
+    let cache = pdmesh_model::CacheArgs::from_env().dir();
+    Some(cache.join("jaeger-v1.75.0").join("jaeger")).filter(|p| p.exists())
+}
+
+fn free_addr() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string()
+}
+
+/// GET from Jaeger's query API: (status, JSON).
+fn jaeger_get(ui: &str, path: &str) -> (u16, serde_json::Value) {
+    let (code, body) = pdmesh_core::http::get(ui, path, Duration::from_secs(10)).unwrap();
+    (code, serde_json::from_str(&body).unwrap_or(serde_json::Value::Null))
+}
+
+/// Spans whose parent is not in the trace.
+fn roots(spans: &[Span]) -> Vec<&Span> {
+    let have: HashSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    spans.iter().filter(|s| s.parent_id.is_empty() || !have.contains(s.parent_id.as_str())).collect()
+}
+
+/// The whole request is in: every service, the tokenizer's side of the
+/// detokenize stream (it ends last), kernel spans, and one root.
+fn complete(spans: &[Span]) -> bool {
+    let services: HashSet<&str> = spans.iter().map(|s| s.service.as_str()).collect();
+    SERVICES.iter().all(|s| services.contains(s))
+        && spans
+            .iter()
+            .any(|s| s.service == "pdmesh-tokenizer" && s.name.ends_with("/Detokenize") && s.kind == "server")
+        && spans.iter().any(|s| s.attrs.contains_key(kernel::BACKEND))
+        && roots(spans).len() == 1
+}
+
+/// The trace as Jaeger's query API gives it, once complete.
+fn read_back(ui: &str, trace: &str) -> Vec<Span> {
+    let t0 = Instant::now();
+    loop {
+        let (code, doc) = jaeger_get(ui, &format!("/api/traces/{trace}"));
+        let spans = if code == 200 { from_jaeger(&doc).unwrap_or_default() } else { Vec::new() };
+        if complete(&spans) {
+            return spans;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let mut seen: Vec<String> = spans.iter().map(|s| format!("{}:{}:{}", s.service, s.name, s.kind)).collect();
+            seen.sort();
+            seen.dedup();
+            panic!("trace {trace} never complete in Jaeger (HTTP {code}); roots {:?}; spans {seen:#?}", roots(&spans));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// One chat request through the gateway: its trace id and wall time.
+fn request(gateway: &str, max_tokens: u32) -> (String, Duration) {
+    let extra = format!(r#","max_tokens":{max_tokens},"ignore_eos":true"#);
+    let t0 = Instant::now();
+    let (code, tid, text) =
+        post_header(gateway, "/v1/chat/completions", &chat_body("Name a colour.", &extra), &[], "x-pdmesh-trace-id");
+    assert_eq!(code, 200, "{text}");
+    (tid.expect("traced: the gateway names the trace"), t0.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_real_jaeger_holds_whole_traces_that_explain_and_search_read() {
+    let Some(bin) = jaeger_bin() else {
+        let why = "no Jaeger binary (run scripts/jaeger.sh, or set PDMESH_JAEGER_BIN)";
+        assert!(std::env::var_os("PDMESH_REQUIRE_JAEGER").is_none(), "{why}");
+        pdmesh_testkit::skip("the_real_jaeger_holds_whole_traces_that_explain_and_search_read", why);
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pdmesh-jaeger-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sink = Sink::start("127.0.0.1:0".parse().unwrap(), None).await.unwrap();
+    let ui = free_addr();
+    let forward = sink.endpoint();
+    let mesh = Mesh::up(&[
+        "--jaeger",
+        "--jaeger-bin",
+        bin.to_str().unwrap(),
+        "--jaeger-ui-addr",
+        &ui,
+        "--jaeger-forward",
+        &forward,
+        "--trace-export-delay-ms",
+        "100",
+        "--trace-kernel-steps",
+        "1",
+    ]);
+
+    // 1. One request's trace, read back from Jaeger: whole.
+    let (tid, _) = tokio::task::block_in_place(|| request(&mesh.gateway, 8));
+    let spans = tokio::task::block_in_place(|| read_back(&ui, &tid));
+    let root = roots(&spans);
+    assert_eq!(root.len(), 1, "one root: {root:#?}");
+    assert_eq!(root[0].service, "pdmesh-gateway");
+    let have: HashSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    let orphans: Vec<&Span> =
+        spans.iter().filter(|s| !s.parent_id.is_empty() && !have.contains(s.parent_id.as_str())).collect();
+    assert!(orphans.len() <= 1 && orphans.iter().all(|o| o.span_id == root[0].span_id), "orphans: {orphans:#?}");
+    assert!(
+        spans.iter().any(|s| s.attrs.contains_key(kernel::BACKEND) && s.attr_f64(kernel::M).is_some()),
+        "kernel spans"
+    );
+
+    // 2. explain over Jaeger equals explain over the OTLP file of the same spans.
+    let forwarded = sink.wait_trace(&tid, Duration::from_secs(20), |s| s.len() >= spans.len()).await;
+    assert_eq!(forwarded.len(), spans.len(), "Jaeger forwarded every span it holds");
+    let file = dir.join("trace.jsonl");
+    std::fs::write(&file, to_otlp_json(&forwarded).to_string()).unwrap();
+    let from_file = explain(&read_otlp_file(&file, &tid).unwrap()).unwrap();
+    let from_jaeger_api = explain(&spans).unwrap();
+    assert_eq!(from_jaeger_api.dominant, from_file.dominant);
+    let parts = |e: &pdmesh_meshctl::explain::Explanation| {
+        e.parts.iter().map(|p| (p.cause, (p.ms * 10.0).round() as i64)).collect::<Vec<_>>()
+    };
+    assert_eq!(parts(&from_jaeger_api), parts(&from_file), "the same parts, to 0.1 ms");
+    // The CLI itself, against Jaeger.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshctl"))
+        .args(["explain", &tid, "--jaeger", &format!("http://{ui}")])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains(from_file.dominant), "{said}");
+
+    // 3. A slow request found by its duration, as an operator searches.
+    let (fast, fast_t) = tokio::task::block_in_place(|| request(&mesh.gateway, 1));
+    let (slow, slow_t) = tokio::task::block_in_place(|| request(&mesh.gateway, 96));
+    assert!(slow_t > fast_t * 3, "the slow request is slow: {slow_t:?} against {fast_t:?}");
+    let min_ms = (fast_t + slow_t).as_millis() / 2 / 2;
+    let t0 = Instant::now();
+    let found: Vec<String> = loop {
+        let q = format!("/api/traces?service=pdmesh-gateway&minDuration={min_ms}ms&lookback=1h&limit=50");
+        let (code, doc) = jaeger_get(&ui, &q);
+        assert_eq!(code, 200, "{doc}");
+        let ids: Vec<String> = doc["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["traceID"].as_str().map(str::to_string))
+            .collect();
+        if ids.contains(&slow) {
+            break ids;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "the slow trace {slow} never found over {min_ms} ms: {doc}");
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(!found.contains(&fast), "the fast request ({fast_t:?}) is not over {min_ms} ms");
+    drop(mesh);
+    let _ = std::fs::remove_dir_all(&dir);
+}
