@@ -46,7 +46,9 @@ impl From<Error> for Status {
                 let why = if t.reason.is_empty() { String::new() } else { format!(": {}", t.reason) };
                 match TicketState::try_from(t.state).unwrap_or(TicketState::Unspecified) {
                     TicketState::Cancelled => Status::cancelled(format!("KV transfer cancelled{why}")),
-                    TicketState::Expired => Status::deadline_exceeded(format!("KV transfer lease expired{why}")),
+                    // The prefill side did not deliver in time (died, stalled):
+                    // the mesh's fault, worth retrying, never the caller's deadline.
+                    TicketState::Expired => Status::unavailable(format!("{}{why}", pdmesh_core::vocab::LEASE_EXPIRED)),
                     _ => Status::unavailable(format!("KV transfer failed{why}")),
                 }
             }

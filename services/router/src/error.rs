@@ -90,6 +90,9 @@ pub fn decode_failure(e: Status) -> Status {
         _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed during its generation"),
         _ if is_transport(&e) => worker_fault("decode worker", "was lost mid-request", &e),
         Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded => e,
+        Code::Unavailable if e.message().starts_with(pdmesh_core::vocab::LEASE_EXPIRED) => Status::unavailable(
+            "the prompt's KV did not reach its decode worker before the transfer's lease ran out (a prefill worker failed or stalled)",
+        ),
         // The decode's CANCELLED is never the caller's leaving (the router
         // sees that itself): its ticket was cancelled inside the mesh.
         _ => worker_fault("decode worker", "was lost mid-request", &e),
@@ -182,6 +185,10 @@ mod tests {
         for c in [Code::InvalidArgument, Code::DeadlineExceeded, Code::Cancelled] {
             assert!(!prefill_retryable(&Status::new(c, "x")), "{c:?}");
         }
+        let lease =
+            decode_failure(Status::unavailable(format!("{}: lease expired", pdmesh_core::vocab::LEASE_EXPIRED)));
+        assert_eq!(lease.code(), Code::Unavailable, "the mesh's fault, never the caller's deadline");
+        assert!(lease.message().contains("lease ran out") && decode_retryable(&lease), "{lease:?}");
         let inner = decode_failure(Status::cancelled("KV transfer cancelled: prefill-0 drained"));
         assert_eq!((inner.code(), inner.message()), (Code::Unavailable, "a decode worker failed"));
         let full =

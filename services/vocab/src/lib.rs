@@ -11,6 +11,12 @@
 /// OpenAI error code. Without it, RESOURCE_EXHAUSTED means no KV room.
 pub const OVERLOAD_HEADER: &str = "x-pdmesh-overload";
 
+/// How a decode worker's status begins when its prompt's KV did not arrive
+/// before the transfer ticket's lease ran out (a prefill worker died or
+/// stalled): UNAVAILABLE, the mesh's fault; the router retries it and
+/// names it to its caller.
+pub const LEASE_EXPIRED: &str = "KV transfer lease expired";
+
 pub mod metric;
 
 /// Span names (the OpenTelemetry span name is the `tracing` span name,
