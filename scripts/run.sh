@@ -6,7 +6,7 @@
 #   bash scripts/run.sh ["your question"]        # answer, then stop
 #   PDMESH_STAY=1 bash scripts/run.sh            # answer, then keep serving until Ctrl-C
 #   PDMESH_JAEGER=1 PDMESH_STAY=1 bash scripts/run.sh
-#       # also a local Jaeger (built once by scripts/jaeger.sh): the answer's
+#       # also a local Jaeger (built once by scripts/gotool.sh jaeger): the answer's
 #       # trace across all six services, in Jaeger's UI
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ bash scripts/deps.sh
 cargo build --release --workspace --bins
 tracing=()
 if [ -n "${PDMESH_JAEGER:-}" ]; then
-  tracing=(--jaeger --jaeger-bin "$(bash scripts/jaeger.sh)" --trace-kernel-steps 1)
+  tracing=(--jaeger --jaeger-bin "$(bash scripts/gotool.sh jaeger)" --trace-kernel-steps 1)
 fi
 ./target/release/meshctl up --gateway-addr "$addr" --registry-dir "$state/registry" "${tracing[@]}" > "$state/up.out" &
 mesh=$!

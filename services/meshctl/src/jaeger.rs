@@ -1,6 +1,6 @@
 //! `meshctl up --jaeger`: a local Jaeger (v2, all-in-one, in-memory
 //! storage) that every service of the mesh exports its spans to, its UI
-//! and query API on one loopback address. `scripts/jaeger.sh` builds the
+//! and query API on one loopback address. `scripts/gotool.sh jaeger` builds the
 //! binary once per machine into the pdmesh cache, where this looks first.
 //!
 //! Jaeger's own configuration binds several fixed ports; the one written
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::process::free_addr;
 
-/// The Jaeger release `scripts/jaeger.sh` builds (keep the two equal).
+/// The Jaeger release `scripts/gotool.sh jaeger` builds (keep the two equal).
 pub const VERSION: &str = "v1.75.0";
 
 /// How long Jaeger may take to answer on its UI address.
@@ -25,12 +25,12 @@ const READY: Duration = Duration::from_secs(60);
 #[derive(clap::Args, Debug, Clone)]
 pub struct JaegerArgs {
     /// Start a local Jaeger, export every service's traces to it and print
-    /// its UI address (the binary from `scripts/jaeger.sh`, see
+    /// its UI address (the binary from `scripts/gotool.sh jaeger`, see
     /// `--jaeger-bin`). Overrides `--otlp-endpoint`.
     #[arg(long)]
     pub jaeger: bool,
     /// The Jaeger binary (default: `jaeger-v1.75.0/jaeger` in the pdmesh
-    /// cache, where `scripts/jaeger.sh` builds it, else `jaeger` on PATH).
+    /// cache, where `scripts/gotool.sh jaeger` builds it, else `jaeger` on PATH).
     #[arg(long, env = "PDMESH_JAEGER_BIN")]
     pub jaeger_bin: Option<PathBuf>,
     /// Where Jaeger's UI and query API (`/api/traces`) listen.
@@ -80,7 +80,7 @@ fn binary(a: &JaegerArgs, cache: &Path, path: Option<std::ffi::OsString>) -> Res
         .find(|p| p.exists());
     on_path.ok_or_else(|| {
         format!(
-            "no Jaeger binary: build it with `bash scripts/jaeger.sh` (into {}) or give --jaeger-bin",
+            "no Jaeger binary: build it with `bash scripts/gotool.sh jaeger` (into {}) or give --jaeger-bin",
             cached.display()
         )
     })
@@ -217,7 +217,7 @@ mod tests {
     fn a_missing_binary_says_how_to_build_it() {
         let a = args("127.0.0.1:0");
         let e = binary(&a, Path::new("/nonexistent-pdmesh-cache"), None).unwrap_err();
-        assert!(e.contains("scripts/jaeger.sh") && e.contains("--jaeger-bin"), "{e}");
+        assert!(e.contains("scripts/gotool.sh jaeger") && e.contains("--jaeger-bin"), "{e}");
         let given = JaegerArgs { jaeger_bin: Some("/opt/j".into()), ..a };
         assert_eq!(binary(&given, Path::new("/x"), None).unwrap(), PathBuf::from("/opt/j"));
     }

@@ -1,4 +1,4 @@
-//! The real Jaeger (v1.75.0, built by scripts/jaeger.sh, which
+//! The real Jaeger (v1.75.0, built by scripts/gotool.sh jaeger, which
 //! scripts/test.sh runs): `meshctl up --jaeger` starts it and points every
 //! service at it; a request's trace is read back through Jaeger's query
 //! API whole (six services, one root, no orphans, kernel spans);
@@ -24,7 +24,7 @@ use pdmesh_meshctl::trace::{from_jaeger, read_otlp_file, to_otlp_json, Span};
 const SERVICES: [&str; 6] =
     ["pdmesh-gateway", "pdmesh-router", "pdmesh-tokenizer", "pdmesh-prefill", "pdmesh-decode", "pdmesh-kvbroker"];
 
-/// The Jaeger binary: PDMESH_JAEGER_BIN, else where scripts/jaeger.sh builds it.
+/// The Jaeger binary: PDMESH_JAEGER_BIN, else where scripts/gotool.sh jaeger builds it.
 fn jaeger_bin() -> Option<PathBuf> {
     if let Some(b) = std::env::var_os("PDMESH_JAEGER_BIN") {
         return Some(PathBuf::from(b));
@@ -93,7 +93,7 @@ fn request(gateway: &str, max_tokens: u32) -> (String, Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_real_jaeger_holds_whole_traces_that_explain_and_search_read() {
     let Some(bin) = jaeger_bin() else {
-        let why = "no Jaeger binary (run scripts/jaeger.sh, or set PDMESH_JAEGER_BIN)";
+        let why = "no Jaeger binary (run scripts/gotool.sh jaeger, or set PDMESH_JAEGER_BIN)";
         assert!(std::env::var_os("PDMESH_REQUIRE_JAEGER").is_none(), "{why}");
         pdmesh_testkit::skip("the_real_jaeger_holds_whole_traces_that_explain_and_search_read", why);
         return;
