@@ -462,11 +462,14 @@ impl Loop {
     /// sequence goes on; a finished one has been released.
     fn emit(&mut self, s: &mut Seq, ev: &TokenEvent) -> bool {
         s.n_generated += 1;
-        self.stats.tokens.fetch_add(1, Ordering::Relaxed);
+        if !ev.replayed {
+            self.stats.tokens.fetch_add(1, Ordering::Relaxed);
+        }
         let tok = pb::GenerateResponse {
             event: Some(pb::generate_response::Event::Tokens(pb::Tokens { ids: vec![ev.token] })),
         };
-        let mut alive = s.events.send(Ok(tok)).is_ok();
+        // A replayed token (a migrated request's) reached its caller before.
+        let mut alive = ev.replayed || s.events.send(Ok(tok)).is_ok();
         if let Some(f) = ev.finish {
             // The loop's span ends before the caller can hear of the end, so
             // it never outlives the spans upstream that wait for it.

@@ -108,7 +108,8 @@ impl Service {
     }
 
     async fn admit_inner(&self, r: pb::GenerateRequest, server: &tracing::Span) -> Result<EventStream, Status> {
-        let params = pdmesh_worker::sampling(r.sampling.as_ref(), r.max_tokens, &r.stop_ids, r.ignore_eos);
+        let params =
+            pdmesh_worker::sampling(r.sampling.as_ref(), r.max_tokens, &r.stop_ids, r.ignore_eos, &r.replay_ids);
         if r.local_prefill {
             let (tx, rx): (Events, _) = tokio::sync::mpsc::unbounded_channel();
             self.batcher

@@ -115,6 +115,9 @@ pub struct TokenEvent {
     pub seq: SeqId,
     pub token: u32,
     pub finish: Option<FinishReason>,
+    /// The token was replayed (`SamplingParams::replay`), not generated:
+    /// its caller has it already.
+    pub replayed: bool,
 }
 
 #[derive(Debug)]
@@ -389,7 +392,7 @@ impl Engine {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        if let Some(t) = prompt.iter().find(|t| **t as usize >= self.model.config.vocab_size) {
+        if let Some(t) = prompt.iter().chain(&params.replay).find(|t| **t as usize >= self.model.config.vocab_size) {
             return Err(EngineError::BadToken(*t));
         }
         // The last generated token is never fed back, hence the -1.
@@ -648,6 +651,9 @@ impl Engine {
         let eos = self.model.config.eos_id;
         let max_ctx = self.max_context();
         let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
+        // A migrated sequence's next token is the one it already sent.
+        let replayed = s.params.replay.get(s.generated()).copied();
+        let token = replayed.unwrap_or(token);
         s.tokens.push(token);
         let stop = (!s.params.ignore_eos && token == eos) || s.params.stop_ids.contains(&token);
         s.finish = if stop {
@@ -657,7 +663,7 @@ impl Engine {
         } else {
             None
         };
-        Ok(TokenEvent { seq: id, token, finish: s.finish })
+        Ok(TokenEvent { seq: id, token, finish: s.finish, replayed: replayed.is_some() })
     }
 
     /// Prefill the prompts of `ids` (in chunks of `prefill_chunk` tokens per

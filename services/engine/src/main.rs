@@ -164,7 +164,16 @@ fn run(cli: Cli) -> Result<(), EngineError> {
             let (m, g) = Model::load(&model_path(&model)?)?;
             let tok = Tokenizer::from_gguf(&g)?;
             drop(g);
-            let params = SamplingParams { temperature, top_k, top_p, seed, max_tokens, stop_ids, ignore_eos };
+            let params = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                max_tokens,
+                stop_ids,
+                ignore_eos,
+                replay: Vec::new(),
+            };
             params.validate()?;
             let ids = encode(&tok, &text, chat)?;
             let mut eng = Engine::new(m.with_dump_dir(engine.debug_dump_dir.clone()), engine_options(&engine))?;

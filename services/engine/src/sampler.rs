@@ -26,6 +26,10 @@ pub struct SamplingParams {
     /// Extra token ids that end the sequence (EOS always does unless ignored).
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Tokens the sequence already produced elsewhere (a migrated request):
+    /// taken in order as its first tokens instead of sampled, their events
+    /// marked `replayed`. Seeded draws go on from the index after them.
+    pub replay: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -38,6 +42,7 @@ impl Default for SamplingParams {
             max_tokens: 16,
             stop_ids: Vec::new(),
             ignore_eos: false,
+            replay: Vec::new(),
         }
     }
 }
@@ -63,6 +68,13 @@ impl SamplingParams {
         }
         if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.replay.len() >= self.max_tokens {
+            return bad(format!(
+                "{} tokens to replay leave none of max_tokens {} to generate",
+                self.replay.len(),
+                self.max_tokens
+            ));
         }
         Ok(())
     }

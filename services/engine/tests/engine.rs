@@ -91,6 +91,40 @@ fn kv_export_import_into_another_engine_continues_identically() {
 }
 
 #[test]
+fn a_replayed_sequence_goes_on_exactly_as_the_one_it_continues() {
+    // A migrated request: the first 10 tokens are replayed (decode steps
+    // compute their KV, as the lost worker did), then sampling goes on.
+    let mut f = fixture();
+    let prompt = ids(&golden()[1]["chat_ids"]);
+    let seeded = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        seed: 11,
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    for params in [greedy(32), seeded] {
+        let whole = f.engine.generate_all(std::slice::from_ref(&prompt), &params, 1).unwrap().remove(0);
+        let replay = SamplingParams { replay: whole[..10].to_vec(), ..params.clone() };
+        let id = f.engine.add_sequence(prompt.clone(), replay).unwrap();
+        let mut evs = vec![f.engine.prefill(&[id]).unwrap().remove(0)];
+        while evs.last().unwrap().finish.is_none() {
+            evs.push(f.engine.decode(&[id]).unwrap().remove(0));
+        }
+        f.engine.release(id).unwrap();
+        let tokens: Vec<u32> = evs.iter().map(|e| e.token).collect();
+        assert_eq!(tokens, whole, "{params:?}");
+        let replayed: Vec<bool> = evs.iter().map(|e| e.replayed).collect();
+        assert!(replayed[..10].iter().all(|r| *r) && replayed[10..].iter().all(|r| !*r), "{replayed:?}");
+    }
+    let too_many = SamplingParams { replay: vec![1; 4], ..greedy(4) };
+    assert!(matches!(f.engine.add_sequence(prompt.clone(), too_many), Err(EngineError::InvalidArgument(_))));
+    let bad = SamplingParams { replay: vec![u32::MAX], ..greedy(4) };
+    assert!(matches!(f.engine.add_sequence(prompt, bad), Err(EngineError::BadToken(_))));
+}
+
+#[test]
 fn admission_and_input_errors_are_clear_and_take_nothing() {
     let mut f = fixture();
     let before = f.engine.kv.used();

@@ -146,6 +146,7 @@ fn generate(method: &str, g: &mut Rng) -> Vec<u8> {
             stop_ids: g.ids(),
             ignore_eos: g.below(2) == 0,
             local_prefill: g.below(2) == 0,
+            replay_ids: g.ids(),
         }
         .encode_to_vec(),
         rpc::DECODE_WRITE_KV => {

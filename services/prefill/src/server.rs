@@ -81,7 +81,7 @@ impl Service {
         if r.request_id.is_empty() {
             return Err(Error::BadRequest("request_id is required").into());
         }
-        let params = pdmesh_worker::sampling(r.sampling.as_ref(), 1, &[], true);
+        let params = pdmesh_worker::sampling(r.sampling.as_ref(), 1, &[], true, &[]);
         // While the prompt waits and runs, keep the decode's reservation
         // alive: this worker is alive and will write. If it dies, renewals
         // stop and the lease frees the decode's blocks.

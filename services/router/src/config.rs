@@ -28,6 +28,12 @@ pub struct Config {
     /// no room), before the first token reached the caller.
     #[arg(long, env = "PDMESH_ROUTER_RETRIES", default_value_t = 1)]
     pub retries: u32,
+    /// Times one request may move to another decode worker after tokens
+    /// reached the caller (its worker died, broke or was drained): the
+    /// prompt and the tokens so far are prefilled again elsewhere and the
+    /// stream goes on, with no token repeated or missing.
+    #[arg(long, env = "PDMESH_ROUTER_MAX_MIGRATIONS", default_value_t = 2)]
+    pub max_migrations: u32,
     /// How a prefill worker is chosen: `cache-aware` (the worker whose
     /// prefix cache holds most of the prompt, unless loads are out of
     /// balance) or `least-busy`. Decode workers are picked alike when local

@@ -234,6 +234,7 @@ impl Router {
             stop_ids: vec![],
             ignore_eos: job.ignore_eos,
             local_prefill: p.is_none(),
+            replay_ids: job.replay.clone(),
         };
         // The decode client span lasts as long as the token stream.
         let (mut dreq, dspan) = telemetry::client_request(rpc::DECODE_GENERATE, dreq);

@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 use crate::dispatch::Avoid;
 use crate::error::Error;
-use crate::relay::Failed;
+use crate::relay::{Failed, Out};
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::validate::{check_fits, fit_max_tokens, Input, Job};
 
@@ -134,15 +134,31 @@ impl Router {
             job.max_tokens = fit_max_tokens(prompt.len(), job.max_tokens, context);
         }
         check_fits(prompt.len(), job.max_tokens, context)?;
-        let n_prompt = prompt.len() as u32;
+        let mut out = Out::new(job.stop.clone(), prompt.len() as u32, started);
         let mut avoid = Avoid::default();
-        let mut retries = 0u32;
+        let (mut retries, mut migrations) = (0u32, 0u32);
+        let mut workers = [String::new(), String::new()];
         loop {
-            let dispatched = self.dispatch(&job, &prompt, ticket, &avoid).await?;
+            // A migrated request goes on from the tokens it already sent.
+            let job_now = continued(&job, &out.generated);
+            if out.generated.len() >= job.max_tokens as usize {
+                return self.conclude(&mut out, tx, &workers).await;
+            }
+            let dispatched = self.dispatch(&job_now, &prompt, ticket, &avoid).await?;
             let (prefill, decode) = (dispatched.prefill_addr.clone(), dispatched.decode_addr.clone());
-            let (e, counter, attr_key) = match self.relay(dispatched, job.stop.clone(), n_prompt, started, tx).await {
+            workers = dispatched.pair.workers.clone();
+            let (e, counter, attr_key) = match self.relay(dispatched, &mut out, tx).await {
                 Ok(()) => return Ok(()),
                 Err(Failed::Other(e)) => return Err(e),
+                Err(Failed::Migrate(e)) => {
+                    if migrations >= self.max_migrations {
+                        return Err(e);
+                    }
+                    migrations += 1;
+                    avoid.decode.push(decode);
+                    self.migrated(ticket, migrations, out.generated.len()).await;
+                    continue;
+                }
                 Err(Failed::Prefill(e)) => {
                     avoid.prefill.extend(prefill);
                     (e, &self.metrics.prefill_retries, attr::PREFILL_RETRIES)
@@ -162,6 +178,17 @@ impl Router {
             // The failed attempt's worker span holds the cause; this says it was retried.
             tracing::Span::current().set_attribute(attr_key, i64::from(retries));
         }
+    }
+
+    /// Book a migration: the lost worker's ticket cancelled, the count and
+    /// the tokens sent by then on the request's span, and the metric.
+    async fn migrated(&self, ticket: &Mutex<String>, migrations: u32, sent: usize) {
+        let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.cancel_ticket(&id, "its decode worker was lost; continuing elsewhere").await;
+        self.metrics.migrations.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::Span::current();
+        span.set_attribute(attr::MIGRATIONS, i64::from(migrations));
+        span.set_attribute(attr::MIGRATED_AFTER_TOKENS, sent as i64);
     }
 
     /// Run `job` within `deadline` or until the caller goes away; on failure
@@ -202,4 +229,11 @@ impl Router {
     pub(crate) fn fresh_request_id(&self) -> String {
         format!("req-{:x}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
     }
+}
+
+/// The job of a request continued after `sent` tokens on another decode
+/// worker: it replays them (computing their KV by decode steps, as the lost
+/// worker did, so what follows is what it would have sent) and goes on.
+fn continued(job: &Job, sent: &[u32]) -> Job {
+    Job { replay: sent.to_vec(), ..job.clone() }
 }

@@ -83,6 +83,11 @@ fn render(m: &Metrics, f: Format) -> String {
         "Requests dispatched again because their decode worker died or broke before the first token.",
         m.decode_retries.load(Ordering::Relaxed),
     );
+    t.counter(
+        metric::router::MIGRATIONS_TOTAL,
+        "Requests moved to another decode worker after tokens had reached the caller.",
+        m.migrations.load(Ordering::Relaxed),
+    );
     m.outcomes.render(&mut t, metric::router::REQUESTS_TOTAL, "Finished requests by outcome.");
     t.finish()
 }
@@ -107,6 +112,7 @@ pub async fn serve(
         broker: Peers::resolve(c, "kvbroker", &config.kvbroker_addr).map_err(ServeError::Setup)?,
         timeout: Duration::from_secs(config.request_timeout_s.max(1)),
         retries: config.retries,
+        max_migrations: config.max_migrations,
         max_stop: config.max_stop,
         max_in_flight: config.max_in_flight.max(1),
         policy,

@@ -46,18 +46,40 @@ struct DetokStream {
     rpc: telemetry::Held,
 }
 
-/// What the relay has sent so far.
-struct Out {
+/// What the relay has sent so far. It outlives one decode worker: a
+/// request that migrates goes on with the same detokenize stream, stop
+/// matcher and counts.
+pub struct Out {
     detok: Option<Detok>,
     stops: StopMatcher,
     n_prompt: u32,
     /// Prompt tokens the prefill (or, locally, the decode) worker took from its prefix cache.
     n_cached: u32,
-    n_out: u32,
+    /// Every token id sent to the caller, in order.
+    pub generated: Vec<u32>,
     started: Instant,
     last_token: Option<Instant>,
     /// The request's trace, as the latency histograms' exemplar.
     trace_id: Option<String>,
+}
+
+impl Out {
+    pub fn new(stop: Vec<String>, n_prompt: u32, started: Instant) -> Out {
+        Out {
+            detok: None,
+            stops: StopMatcher::new(stop),
+            n_prompt,
+            n_cached: 0,
+            generated: Vec::new(),
+            started,
+            last_token: None,
+            trace_id: telemetry::trace_id(&tracing::Span::current()),
+        }
+    }
+
+    fn n_out(&self) -> u32 {
+        self.generated.len() as u32
+    }
 }
 
 /// How a relay ended short of its finish.
@@ -68,6 +90,9 @@ pub enum Failed {
     /// The decode worker died or broke before any token reached the
     /// caller: another dispatch may still serve the request.
     Decode(Status),
+    /// The decode worker died or broke after tokens reached the caller:
+    /// the request may go on elsewhere from the tokens so far.
+    Migrate(Status),
     Other(Status),
 }
 
@@ -79,25 +104,12 @@ impl From<Status> for Failed {
 
 impl Router {
     /// Relay a dispatched request's tokens to `tx` until it finishes.
-    pub async fn relay(
-        &self,
-        d: Dispatched,
-        stop: Vec<String>,
-        n_prompt: u32,
-        started: Instant,
-        tx: &Tx,
-    ) -> Result<(), Failed> {
+    pub async fn relay(&self, d: Dispatched, out: &mut Out, tx: &Tx) -> Result<(), Failed> {
         let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, .. } = d;
-        let mut out = Out {
-            detok: None,
-            stops: StopMatcher::new(stop),
-            n_prompt,
-            n_cached: cached_tokens,
-            n_out: 0,
-            started,
-            last_token: None,
-            trace_id: telemetry::trace_id(&tracing::Span::current()),
-        };
+        if out.generated.is_empty() {
+            out.n_cached = cached_tokens;
+        }
+        let out = &mut *out;
         loop {
             let msg = tokio::select! {
                 m = dstream.message() => m,
@@ -105,11 +117,13 @@ impl Router {
                     prefill = None;
                     match p {
                         Ok(Ok(r)) => {
-                            out.n_cached = r.into_inner().cached_tokens;
+                            if out.generated.is_empty() {
+                                out.n_cached = r.into_inner().cached_tokens;
+                            }
                             continue;
                         }
                         // Its answer lost after the KV went over: the tokens flow on.
-                        Ok(Err(_)) if out.n_out > 0 => continue,
+                        Ok(Err(_)) if !out.generated.is_empty() => continue,
                         Ok(Err(e)) if prefill_retryable(&e) => {
                             return Err(Failed::Prefill(prefill_failure(e)))
                         }
@@ -123,21 +137,22 @@ impl Router {
             };
             let ev = match event(msg, &pair) {
                 Ok(ev) => ev,
-                Err(e) if out.n_out == 0 && decode_retryable(&e) => return Err(Failed::Decode(e)),
+                Err(e) if out.generated.is_empty() && decode_retryable(&e) => return Err(Failed::Decode(e)),
+                Err(e) if decode_retryable(&e) => return Err(Failed::Migrate(e)),
                 Err(e) => return Err(Failed::Other(e)),
             };
             match ev {
                 Some(dpb::generate_response::Event::Tokens(t)) => {
-                    if self.on_tokens(&mut out, t.ids, tx).await? {
-                        settle(prefill.take(), &mut out).await;
-                        return Ok(self.finish(tx, common::FinishReason::Stop, &out, &pair.workers).await?);
+                    if self.on_tokens(out, t.ids, tx).await? {
+                        settle(prefill.take(), out).await;
+                        return Ok(self.finish(tx, common::FinishReason::Stop, out, &pair.workers).await?);
                     }
                 }
                 Some(dpb::generate_response::Event::Finished(f)) => {
                     telemetry::record_status(pair.decode_rpc.span(), None);
-                    let reason = self.on_finished(&mut out, f.reason, tx).await;
-                    settle(prefill.take(), &mut out).await;
-                    return Ok(self.finish(tx, reason, &out, &pair.workers).await?);
+                    let reason = self.on_finished(out, f.reason, tx).await;
+                    settle(prefill.take(), out).await;
+                    return Ok(self.finish(tx, reason, out, &pair.workers).await?);
                 }
                 Some(dpb::generate_response::Event::Admitted(_)) | None => {}
             }
@@ -159,7 +174,7 @@ impl Router {
             }
         }
         out.last_token = Some(now);
-        out.n_out += ids.len() as u32;
+        out.generated.extend_from_slice(&ids);
         let text = self.detokenize(&mut out.detok, ids.clone()).await?;
         let step = out.stops.push(&text);
         if tx.send(Ok(delta(ids, step.emit))).await.is_err() {
@@ -273,6 +288,13 @@ impl Router {
         }
     }
 
+    /// End a request whose decode worker was lost after its last token
+    /// but before it said so: flush the text held back, then the finish.
+    pub async fn conclude(&self, out: &mut Out, tx: &Tx, workers: &[String; 2]) -> Result<(), Status> {
+        let reason = self.on_finished(out, common::FinishReason::Length as i32, tx).await;
+        self.finish(tx, reason, out, workers).await
+    }
+
     async fn finish(
         &self,
         tx: &Tx,
@@ -281,13 +303,13 @@ impl Router {
         workers: &[String; 2],
     ) -> Result<(), Status> {
         self.metrics.prompt_tokens.fetch_add(out.n_prompt as u64, Ordering::Relaxed);
-        self.metrics.completion_tokens.fetch_add(out.n_out as u64, Ordering::Relaxed);
+        self.metrics.completion_tokens.fetch_add(u64::from(out.n_out()), Ordering::Relaxed);
         self.metrics.cached_tokens.fetch_add(out.n_cached as u64, Ordering::Relaxed);
         let fin = pb::Finished {
             reason: reason as i32,
             usage: Some(common::Usage {
                 prompt_tokens: out.n_prompt,
-                completion_tokens: out.n_out,
+                completion_tokens: out.n_out(),
                 cached_tokens: out.n_cached,
             }),
             prefill_worker: workers[0].clone(),

@@ -43,6 +43,8 @@ pub struct Metrics {
     /// Dispatches repeated because a prefill failed before the first token.
     pub prefill_retries: AtomicU64,
     pub decode_retries: AtomicU64,
+    /// Requests moved to another decode worker after tokens had been sent.
+    pub migrations: AtomicU64,
 }
 
 impl Metrics {
@@ -88,6 +90,7 @@ pub struct Router {
     pub broker: Peers,
     pub timeout: Duration,
     pub retries: u32,
+    pub max_migrations: u32,
     pub max_stop: usize,
     pub max_in_flight: u64,
     /// How prefill workers are picked.

@@ -13,6 +13,7 @@ fn bad(why: impl Into<String>) -> Status {
 }
 
 /// A validated request, ready to run (its input goes to the tokenizer apart).
+#[derive(Clone, Debug)]
 pub struct Job {
     pub request_id: String,
     pub sampling: common::SamplingParams,
@@ -25,6 +26,9 @@ pub struct Job {
     /// call carries what is left of it, so a prompt that cannot make it is
     /// not started and one whose time is up stops.
     pub deadline: Option<std::time::Instant>,
+    /// Tokens already sent to the caller by a decode worker that was lost:
+    /// the next one takes them as its first (a migration).
+    pub replay: Vec<u32>,
 }
 
 /// Longest caller-chosen request id.
@@ -75,6 +79,7 @@ pub fn validate(
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         deadline: None,
+        replay: Vec::new(),
     };
     Ok((input, job))
 }
@@ -127,7 +132,7 @@ mod tests {
     #[test]
     fn bad_requests_say_which_field() {
         let bad = |r, what: &str| {
-            let e = validate(r, 4, || "x".into()).err().expect("refused");
+            let e = validate(r, 4, || "x".into()).expect_err("refused");
             assert_eq!(e.code(), tonic::Code::InvalidArgument);
             assert!(e.message().contains(what), "{} lacks {what}", e.message());
         };

@@ -7,14 +7,14 @@
 // Tests unwrap: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use pdmesh_proto::router::v1 as pb;
 use pdmesh_testkit::fake::{
-    self, fake_text, Board, DecodeReply, FakeDecode, FakePrefill, FakeTokenizer, PrefillReply, Script, TokenizerScript,
+    self, fake_text, Board, DecodeReply, FakeDecode, FakePrefill, FakeTokenizer, PrefillReply, Script, Seen,
+    TokenizerScript,
 };
 use pdmesh_testkit::Running;
 use tonic::Code;
@@ -22,7 +22,7 @@ use tonic::Code;
 /// A router in front of fakes: its address and everything kept running.
 struct Setup {
     router: Running,
-    decode_calls: Vec<Arc<std::sync::atomic::AtomicUsize>>,
+    decodes: Vec<Arc<Seen>>,
     _rest: Vec<Running>,
 }
 
@@ -45,11 +45,11 @@ async fn setup(
     for _ in 0..prefills {
         p.push(fake::serve(FakePrefill::routes(prefill.clone(), board.clone())).await);
     }
-    let (mut d, mut decode_calls) = (Vec::new(), Vec::new());
+    let (mut d, mut seen) = (Vec::new(), Vec::new());
     for _ in 0..decodes {
-        let (routes, calls) = FakeDecode::routes(decode.clone(), board.clone());
+        let (routes, s) = FakeDecode::routes(decode.clone(), board.clone());
         d.push(fake::serve(routes).await);
-        decode_calls.push(calls);
+        seen.push(s);
     }
     let broker_cfg = pdmesh_kvbroker::config::Config::parse_from(["pdmesh-kvbroker"]);
     let broker = pdmesh_testkit::spawn(|l, stop| pdmesh_kvbroker::serve(broker_cfg, l, stop)).await;
@@ -76,7 +76,7 @@ async fn setup(
     let mut rest = vec![tokenizer, broker];
     rest.extend(p);
     rest.extend(d);
-    Setup { router, decode_calls, _rest: rest }
+    Setup { router, decodes: seen, _rest: rest }
 }
 
 /// What the caller of Generate saw: the text, or the status that ended it.
@@ -129,7 +129,7 @@ async fn a_decode_worker_that_refuses_is_passed_over_for_another() {
     let decode = Script::new(vec![DecodeReply::Refuse(Code::ResourceExhausted), DecodeReply::Serve(ids("ok"))]);
     let s = setup(TokenizerScript::default(), prefill, 1, decode.clone(), 2, &[]).await;
     assert_eq!(generate(&s.router, "hi", 2, None).await.unwrap(), "ok");
-    let per_worker: Vec<usize> = s.decode_calls.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+    let per_worker: Vec<usize> = s.decodes.iter().map(|d| d.calls()).collect();
     assert_eq!(per_worker, vec![1, 1], "the refusing worker once, the other once");
 }
 
@@ -154,17 +154,43 @@ async fn a_detokenize_stream_lost_midway_is_replayed_with_no_text_lost_or_repeat
 }
 
 #[tokio::test]
-async fn a_decode_worker_lost_before_the_first_token_is_replaced_and_after_it_is_reported_as_the_meshs_fault() {
+async fn a_decode_worker_lost_before_the_first_token_is_replaced() {
     let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
     let decode =
         Script::new(vec![DecodeReply::DieAfter { tokens: ids("abc"), after: 0 }, DecodeReply::Serve(ids("abc"))]);
-    let s = setup(TokenizerScript::default(), prefill.clone(), 1, decode, 2, &[]).await;
-    assert_eq!(generate(&s.router, "hi", 3, None).await.unwrap(), "abc", "retried before the first token");
-
-    let decode = Script::new(vec![DecodeReply::DieAfter { tokens: ids("abc"), after: 2 }]);
     let s = setup(TokenizerScript::default(), prefill, 1, decode, 2, &[]).await;
-    let e = generate(&s.router, "hi", 3, None).await.unwrap_err();
+    assert_eq!(generate(&s.router, "hi", 3, None).await.unwrap(), "abc", "retried before the first token");
+}
+
+#[tokio::test]
+async fn a_decode_worker_lost_mid_stream_hands_the_request_to_another_with_nothing_repeated_or_lost() {
+    let answer = "the stream goes on";
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
+    let decode =
+        Script::new(vec![DecodeReply::DieAfter { tokens: ids(answer), after: 5 }, DecodeReply::Serve(ids(answer))]);
+    let s = setup(TokenizerScript::default(), prefill, 1, decode, 2, &[]).await;
+    assert_eq!(generate(&s.router, "hi", 64, None).await.unwrap(), answer);
+    // The second worker got the same prompt and budget, and the five tokens
+    // sent to replay.
+    let mut reqs: Vec<_> = s.decodes.iter().flat_map(|d| d.requests()).collect();
+    reqs.sort_by_key(|r| r.replay_ids.len());
+    assert_eq!(reqs.len(), 2, "{reqs:?}");
+    let (first, second) = (&reqs[0], &reqs[1]);
+    assert_eq!((first.prompt_ids.clone(), first.replay_ids.clone()), (ids("hi"), vec![]));
+    assert_eq!((second.prompt_ids.clone(), second.max_tokens), (ids("hi"), first.max_tokens));
+    assert_eq!(second.replay_ids, ids(&answer[..5]));
+    assert!(s.decodes.iter().all(|d| d.calls() == 1), "the lost worker is not tried again");
+}
+
+#[tokio::test]
+async fn migrations_stop_at_the_limit_and_the_caller_hears_the_meshs_fault() {
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
+    // Every worker dies after two tokens of its part.
+    let decode = Script::new(vec![DecodeReply::DieAfter { tokens: ids("abcdefgh"), after: 2 }]);
+    let s = setup(TokenizerScript::default(), prefill, 1, decode.clone(), 3, &["--max-migrations", "1"]).await;
+    let e = generate(&s.router, "hi", 8, None).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "never the client's fault: {e:?}");
+    assert_eq!(decode.calls(), 2, "the first worker and one migration");
 }
 
 #[tokio::test]

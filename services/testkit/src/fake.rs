@@ -211,14 +211,17 @@ impl ppb::prefill_server::Prefill for FakePrefill {
     }
 }
 
-/// A fake decode worker's reply to one Generate call.
+/// A fake decode worker's reply to one Generate call. The tokens are the
+/// whole answer, as a deterministic model would give it: a request
+/// continued after n tokens (n `replay_ids`) gets the answer from its
+/// n-th token on.
 #[derive(Clone, Debug)]
 pub enum DecodeReply {
     /// Refuse admission with this code (RESOURCE_EXHAUSTED: no KV room).
     Refuse(Code),
     /// Admit, wait for the KV, stream these tokens one message each, finish.
     Serve(Vec<u32>),
-    /// Admit, wait for the KV, stream the first `after` tokens, then fail
+    /// Admit, wait for the KV, stream `after` tokens, then fail
     /// (UNAVAILABLE), as a worker lost mid-stream.
     DieAfter { tokens: Vec<u32>, after: usize },
     /// Admit, wait for the KV, then send nothing more.
@@ -228,16 +231,29 @@ pub enum DecodeReply {
 pub struct FakeDecode {
     script: Arc<Script<DecodeReply>>,
     board: Board,
-    /// Generate calls this instance took.
-    calls: Arc<AtomicUsize>,
+    seen: Arc<Seen>,
+}
+
+/// The Generate calls one fake decode worker took, in order.
+#[derive(Default)]
+pub struct Seen(std::sync::Mutex<Vec<dpb::GenerateRequest>>);
+
+impl Seen {
+    pub fn requests(&self) -> Vec<dpb::GenerateRequest> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn calls(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
 }
 
 impl FakeDecode {
-    /// Its routes and its own count of Generate calls.
-    pub fn routes(script: Arc<Script<DecodeReply>>, board: Board) -> (tonic::service::Routes, Arc<AtomicUsize>) {
-        let calls = Arc::new(AtomicUsize::new(0));
-        let me = FakeDecode { script, board, calls: calls.clone() };
-        (tonic::service::Routes::new(dpb::decode_server::DecodeServer::new(me)), calls)
+    /// Its routes and the calls it takes.
+    pub fn routes(script: Arc<Script<DecodeReply>>, board: Board) -> (tonic::service::Routes, Arc<Seen>) {
+        let seen = Arc::new(Seen::default());
+        let me = FakeDecode { script, board, seen: seen.clone() };
+        (tonic::service::Routes::new(dpb::decode_server::DecodeServer::new(me)), seen)
     }
 }
 
@@ -262,8 +278,9 @@ async fn stream(
         DecodeReply::DieAfter { tokens, after } => (tokens, Some(after)),
         DecodeReply::Stall | DecodeReply::Refuse(_) => return std::future::pending().await,
     };
-    let n = tokens.len().min(req.max_tokens.max(1) as usize);
-    for (i, t) in tokens.into_iter().take(n).enumerate() {
+    let from = req.replay_ids.len().min(tokens.len());
+    let n = (tokens.len() - from).min((req.max_tokens as usize).saturating_sub(from).max(1));
+    for (i, t) in tokens.into_iter().skip(from).take(n).enumerate() {
         if die_at == Some(i) {
             let _ = tx.send(Err(Status::unavailable("fake decode: lost mid-stream"))).await;
             return;
@@ -283,7 +300,7 @@ impl dpb::decode_server::Decode for FakeDecode {
     type GenerateStream = Events<dpb::GenerateResponse>;
 
     async fn generate(&self, req: Request<dpb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.seen.0.lock().unwrap_or_else(|e| e.into_inner()).push(req.get_ref().clone());
         let reply = self.script.next();
         if let DecodeReply::Refuse(code) = reply {
             return Err(Status::new(code, "fake decode: scripted refusal"));

@@ -149,6 +149,10 @@ pub mod attr {
     pub const PREFILL_RETRIES: &str = "router.prefill_retries";
     /// Router's Generate: dispatches repeated after a decode worker died or broke before the first token.
     pub const DECODE_RETRIES: &str = "router.decode_retries";
+    /// Router: times the request moved to another decode worker mid-stream.
+    pub const MIGRATIONS: &str = "router.migrations";
+    /// Router: tokens the caller had when the request last migrated.
+    pub const MIGRATED_AFTER_TOKENS: &str = "router.migrated_after_tokens";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
     /// Router (`detokenize`): the tokenizer was lost mid-stream and the
     /// stream replayed on a fresh one.

@@ -110,6 +110,7 @@ pub mod router {
     pub const PREFILL_MODE_TOTAL: &str = name!("router", "prefill_mode_total");
     pub const PREFILL_RETRIES_TOTAL: &str = name!("router", "prefill_retries_total");
     pub const DECODE_RETRIES_TOTAL: &str = name!("router", "decode_retries_total");
+    pub const MIGRATIONS_TOTAL: &str = name!("router", "migrations_total");
     pub const REQUESTS_TOTAL: &str = name!("router", "requests_total");
 }
 
@@ -188,6 +189,7 @@ const OWN: &[&str] = &[
     router::PREFILL_MODE_TOTAL,
     router::PREFILL_RETRIES_TOTAL,
     router::DECODE_RETRIES_TOTAL,
+    router::MIGRATIONS_TOTAL,
     router::REQUESTS_TOTAL,
     tokenizer::REQUESTS_TOTAL,
     kvbroker::TICKETS,

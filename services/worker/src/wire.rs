@@ -9,6 +9,7 @@ pub fn sampling(
     max_tokens: u32,
     stop_ids: &[u32],
     ignore_eos: bool,
+    replay: &[u32],
 ) -> SamplingParams {
     let s = s.cloned().unwrap_or_default();
     SamplingParams {
@@ -19,5 +20,6 @@ pub fn sampling(
         max_tokens: max_tokens as usize,
         stop_ids: stop_ids.to_vec(),
         ignore_eos,
+        replay: replay.to_vec(),
     }
 }

@@ -188,7 +188,7 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
         .collect();
     let top = parts.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)).expect("causes are not empty");
     let summaries: Vec<AttemptSummary> = all.iter().map(|a| summary(a, t0)).collect();
-    let sentence = words::sentence(top, ms(total), &summaries, &abnormal);
+    let sentence = words::sentence(top, ms(total), &summaries, &abnormal) + &words::migrations(spans);
     let mut services: Vec<String> = spans.iter().map(|s| s.service.clone()).collect();
     services.sort();
     services.dedup();
@@ -281,7 +281,23 @@ impl Explanation {
 mod tests {
     use super::*;
     use crate::trace::testing::{sample, span};
-    use pdmesh_core::vocab::rpc;
+    use pdmesh_core::vocab::{attr, rpc};
+
+    #[test]
+    fn a_migration_is_named_with_the_tokens_it_replayed() {
+        let plain = explain(&sample()).unwrap();
+        assert!(!plain.sentence.contains("migrated"), "{}", plain.sentence);
+        let mut spans = sample();
+        let router = spans.iter_mut().find(|s| s.name == rpc::ROUTER_GENERATE).unwrap();
+        router.attrs.insert(attr::MIGRATIONS.into(), serde_json::json!(1));
+        router.attrs.insert(attr::MIGRATED_AFTER_TOKENS.into(), serde_json::json!(24));
+        let e = explain(&spans).unwrap();
+        assert!(
+            e.sentence.contains("migrated 1 time to another decode worker, the last after 24 tokens"),
+            "{}",
+            e.sentence
+        );
+    }
 
     fn shifted(spans: Vec<Span>, ms: u64, tag: char) -> Vec<Span> {
         let re = |id: &str| if id.is_empty() { String::new() } else { format!("{tag}{}", &id[1..]) };

@@ -407,6 +407,22 @@ pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal
     out
 }
 
+/// " Migrated N times ..." when a decode worker was lost mid-stream and the
+/// router moved the request (`router.migrations` on its Generate span).
+pub fn migrations(spans: &[Span]) -> String {
+    let moved = spans.iter().filter_map(|s| {
+        let n = s.attr_f64(attr::MIGRATIONS)?;
+        Some((n as u64, s.attr_f64(attr::MIGRATED_AFTER_TOKENS).unwrap_or(0.0) as u64))
+    });
+    match moved.max() {
+        Some((n, after)) if n > 0 => format!(
+            " Its decode worker was lost mid-stream: migrated {n} time{} to another decode worker, the last after {after} tokens, which were replayed there.",
+            if n == 1 { "" } else { "s" }
+        ),
+        _ => String::new(),
+    }
+}
+
 fn capitalise(s: &str) -> String {
     let mut c = s.chars();
     c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
