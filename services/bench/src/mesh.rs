@@ -118,6 +118,7 @@ async fn mesh_point(addr: &str, c: usize, n: usize, max_tokens: u32) -> Result<s
                     stop: vec![],
                     ignore_eos: true,
                     max_tokens_to_fit: false,
+                    resume_ids: Vec::new(),
                 };
                 let sent = Instant::now();
                 let mut s = pb::router_client::RouterClient::new(ch.clone())

@@ -10,6 +10,7 @@ pub mod config;
 mod error;
 pub mod front;
 pub mod openai;
+mod upstream;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,7 +40,8 @@ use crate::error::{
     bad_request, error_body, from_router, http_of, refused_response, status_response, timed_out, unavailable,
 };
 use crate::openai::Kind;
-use pdmesh_core::vocab::{attr, rpc, span};
+use crate::upstream::Upstream;
+use pdmesh_core::vocab::{attr, span};
 
 pub struct Gateway {
     config: Config,
@@ -51,6 +53,8 @@ pub struct Gateway {
     /// API keys, with `--api-keys-file`.
     keys: Option<Arc<auth::Keys>>,
     conns: Arc<front::ConnStats>,
+    /// Requests moved to another router after tokens reached their client.
+    router_failovers: AtomicU64,
 }
 
 fn render(g: &Gateway, f: Format) -> String {
@@ -62,6 +66,11 @@ fn render(g: &Gateway, f: Format) -> String {
             &g.e2e,
         );
     g.outcomes.render(&mut t, metric::gateway::REQUESTS_TOTAL, "Finished API requests by outcome.");
+    t.counter(
+        metric::gateway::ROUTER_FAILOVERS_TOTAL,
+        "Requests sent to another router, with the tokens streamed so far, after theirs was lost mid-stream.",
+        g.router_failovers.load(Ordering::Relaxed),
+    );
     t.gauge(metric::gateway::CONNECTIONS, "Client connections open.", g.conns.open.load(Ordering::Relaxed) as f64);
     t.counter(
         metric::gateway::CONNECTIONS_REFUSED_TOTAL,
@@ -388,69 +397,6 @@ fn deadline(g: &Gateway, headers: &HeaderMap) -> Duration {
     }
 }
 
-/// The router's stream, its first event, and the client span (which lasts
-/// as long as the stream: `end` closes it wherever the stream is done with).
-struct Opened {
-    stream: tonic::Streaming<pb::GenerateResponse>,
-    first: Option<pb::GenerateResponse>,
-    rpc: tracing::Span,
-    end: telemetry::Held,
-}
-
-/// Call the router and wait for its first event, so that refusals get
-/// their own HTTP status. Nothing has reached the client before that
-/// event, so a router that cannot be reached or dies first (killed,
-/// restarting) is asked again, the restarted one or another, for up to
-/// `ROUTER_PATIENCE` within the deadline.
-async fn open(g: &Gateway, request: pb::GenerateRequest, deadline: Duration) -> Result<Opened, Response> {
-    let t0 = tokio::time::Instant::now();
-    let patience = ROUTER_PATIENCE.min(deadline);
-    let mut attempt = 0usize;
-    loop {
-        let left = deadline.saturating_sub(t0.elapsed());
-        let list = g
-            .router
-            .wait_any(patience.saturating_sub(t0.elapsed()).max(Duration::from_millis(1)))
-            .await
-            .ok_or_else(|| unavailable("no router is available"))?;
-        let ch = g
-            .router
-            .channel(&list[attempt % list.len()])
-            .map_err(|e| error_body(500, &e, "internal_error", None, None))?;
-        attempt += 1;
-        let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, request.clone());
-        let end = telemetry::Held(rpc.clone());
-        req.set_timeout(left);
-        let mut client = pb::router_client::RouterClient::new(ch);
-        let call = async {
-            let mut s = client.generate(req).await?.into_inner();
-            let first = s.message().await?;
-            Ok::<_, tonic::Status>((s, first))
-        };
-        match tokio::time::timeout(left + Duration::from_millis(500), call.instrument(rpc.clone())).await {
-            Ok(Ok((stream, first))) => return Ok(Opened { stream, first, rpc, end }),
-            Ok(Err(s)) => {
-                telemetry::record_status(&rpc, Some(&s));
-                let again = t0.elapsed() + ROUTER_RETRY;
-                if pdmesh_core::grpc::is_transport(&s) && again < patience {
-                    tokio::time::sleep(ROUTER_RETRY).await;
-                    continue;
-                }
-                return Err(status_response(&from_router(s)));
-            }
-            Err(_) => {
-                telemetry::mark_error(&rpc, "deadline exceeded");
-                return Err(timed_out());
-            }
-        }
-    }
-}
-
-/// How long a request waits for a router that cannot be reached.
-const ROUTER_PATIENCE: Duration = Duration::from_secs(3);
-/// Pause before asking a router that could not be reached again.
-const ROUTER_RETRY: Duration = Duration::from_millis(100);
-
 /// What every response object of one request repeats.
 #[derive(Clone)]
 struct Answer {
@@ -514,60 +460,70 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind
     parsed.request.request_id = id.clone();
     tracing::Span::current().record(attr::REQUEST_ID, id.as_str());
     let deadline = deadline(g, &headers);
-    let opened = match open(g, parsed.request, deadline).await {
+    let up = match Upstream::open(g.router.clone(), parsed.request, deadline).await {
         Ok(o) => o,
         Err(r) => return Reply::Done(r),
     };
     let answer = Answer { id, created: now_s(), model: parsed.model, chat };
     if !parsed.stream {
-        return Reply::Done(collect(opened, &answer, deadline).await);
+        return Reply::Done(collect(g, up, &answer, deadline).await);
     }
     // Roomy: the router should never wait on a slow client; the body records
     // how long each chunk waited for it instead.
     let (tx, rx) = tokio::sync::mpsc::channel::<(std::time::Instant, Bytes)>(1024);
-    tokio::spawn(stream_sse(opened, answer, parsed.include_usage, Timed(tx)));
+    tokio::spawn(stream_sse(g.clone(), up, answer, parsed.include_usage, Timed(tx)));
     Reply::Sse(rx)
 }
 
 /// A non-streamed answer: every delta, then the whole response.
-async fn collect(o: Opened, answer: &Answer, deadline: Duration) -> Response {
-    let Opened { mut stream, first, rpc, end: _end } = o;
-    let mut text = String::new();
-    let mut next = first;
+async fn collect(g: &Gateway, mut up: Upstream, answer: &Answer, deadline: Duration) -> Response {
     let until = tokio::time::Instant::now() + deadline + Duration::from_millis(500);
-    loop {
-        match next.and_then(|m| m.event) {
-            Some(pb::generate_response::Event::Delta(d)) => text.push_str(&d.text),
-            Some(pb::generate_response::Event::Finished(f)) => {
-                telemetry::record_status(&rpc, None);
-                return answer.whole(text, &f);
-            }
-            None => return unavailable("the router ended the stream without finishing"),
-        }
-        next = match tokio::time::timeout_at(until, stream.message()).await {
+    let mut text = String::new();
+    let r = loop {
+        let m = match tokio::time::timeout_at(until, up.next()).await {
             Ok(Ok(m)) => m,
             Ok(Err(s)) => {
-                telemetry::record_status(&rpc, Some(&s));
-                return status_response(&from_router(s));
+                telemetry::record_status(up.span(), Some(&s));
+                break status_response(&from_router(s));
             }
-            Err(_) => return timed_out(),
+            Err(_) => break timed_out(),
         };
-    }
+        match m.and_then(|m| m.event) {
+            Some(pb::generate_response::Event::Delta(d)) => text.push_str(&d.text),
+            Some(pb::generate_response::Event::Finished(f)) => {
+                telemetry::record_status(up.span(), None);
+                break answer.whole(text, &f);
+            }
+            None => break unavailable("the router ended the stream without finishing"),
+        }
+    };
+    g.router_failovers.fetch_add(u64::from(up.failovers), Ordering::Relaxed);
+    r
 }
 
 /// SSE: one chunk per delta, a final chunk with the finish reason, usage
 /// if asked, [DONE]; an error event if the router's stream fails.
-async fn stream_sse(o: Opened, answer: Answer, include_usage: bool, tx: Timed) {
-    let Opened { mut stream, first, rpc, end } = o;
+async fn stream_sse(g: Arc<Gateway>, mut up: Upstream, answer: Answer, include_usage: bool, tx: Timed) {
+    sse_events(&mut up, answer, include_usage, tx).await;
+    g.router_failovers.fetch_add(u64::from(up.failovers), Ordering::Relaxed);
+}
+
+async fn sse_events(up: &mut Upstream, answer: Answer, include_usage: bool, tx: Timed) {
     if answer.chat && tx.send(answer.chunk(json!({ "role": "assistant", "content": "" }), Value::Null)).await.is_err() {
         return;
     }
-    let mut next = Ok(first);
     loop {
+        let next = tokio::select! {
+            m = up.next() => m,
+            _ = tx.0.closed() => {
+                telemetry::mark_error(up.span(), "client went away");
+                return;
+            }
+        };
         let ev = match next {
             Ok(m) => m.and_then(|m| m.event),
             Err(s) => {
-                telemetry::record_status(&rpc, Some(&s));
+                telemetry::record_status(up.span(), Some(&s));
                 let s = from_router(s);
                 let (st, kind, code) = http_of(&s);
                 let e = json!({ "error": { "message": s.message(), "type": kind, "param": null, "code": code, "status": st } });
@@ -579,12 +535,11 @@ async fn stream_sse(o: Opened, answer: Answer, include_usage: bool, tx: Timed) {
             Some(pb::generate_response::Event::Delta(d)) => {
                 if !d.text.is_empty() && tx.send(answer.chunk(json!({ "content": d.text }), Value::Null)).await.is_err()
                 {
-                    return; // client gone: dropping `stream` cancels the request
+                    return; // client gone: dropping the stream cancels the request
                 }
             }
             Some(pb::generate_response::Event::Finished(f)) => {
-                telemetry::record_status(&rpc, None);
-                drop(end);
+                telemetry::record_status(up.span(), None);
                 let _ = tx.send(answer.chunk(json!({}), json!(finish_reason(&f)))).await;
                 if include_usage {
                     let _ = tx.send(answer.usage_chunk(&f)).await;
@@ -593,19 +548,12 @@ async fn stream_sse(o: Opened, answer: Answer, include_usage: bool, tx: Timed) {
                 return;
             }
             None => {
-                telemetry::mark_error(&rpc, "stream ended without finishing");
+                telemetry::mark_error(up.span(), "stream ended without finishing");
                 let e = json!({ "error": { "message": "the router ended the stream without finishing", "type": "service_unavailable", "param": null, "code": "unavailable" } });
                 let _ = tx.send(sse(&e)).await;
                 return;
             }
         }
-        next = tokio::select! {
-            m = stream.message() => m,
-            _ = tx.0.closed() => {
-                telemetry::mark_error(&rpc, "client went away");
-                return;
-            }
-        };
     }
 }
 
@@ -674,6 +622,7 @@ pub async fn serve(
         in_flight: AtomicU64::new(0),
         next_id: AtomicU64::new(0),
         outcomes: Outcomes::default(),
+        router_failovers: AtomicU64::new(0),
         e2e: Histogram::latency(),
         keys: load_keys(&config)?,
         conns: Arc::default(),

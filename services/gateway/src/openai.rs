@@ -261,6 +261,7 @@ pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32)
             stop,
             ignore_eos,
             max_tokens_to_fit,
+            resume_ids: Vec::new(),
         },
         stream,
         include_usage,

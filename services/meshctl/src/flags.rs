@@ -107,6 +107,10 @@ pub struct Args {
     /// Decode workers to run.
     #[arg(long, default_value_t = 1)]
     pub decode_replicas: usize,
+    /// Routers to run: with two or more, the gateway resumes a request whose
+    /// router was lost on another one, and the client sees nothing.
+    #[arg(long, default_value_t = 1)]
+    pub router_replicas: usize,
     /// How each service drains on SIGTERM (passed to every service).
     #[command(flatten)]
     pub drain: pdmesh_core::drain::DrainArgs,

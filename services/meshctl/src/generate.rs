@@ -51,6 +51,7 @@ pub async fn run(a: Args) -> Result<(), String> {
         stop: vec![],
         ignore_eos: false,
         max_tokens_to_fit: false,
+        resume_ids: Vec::new(),
     });
     req.set_timeout(Duration::from_secs_f64(a.timeout_s.max(0.001)));
     let mut s = pb::router_client::RouterClient::new(ch)

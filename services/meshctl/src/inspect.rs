@@ -154,6 +154,7 @@ pub async fn probe_cmd(a: ProbeArgs) -> Result<(), String> {
         stop: vec![],
         ignore_eos: true,
         max_tokens_to_fit: false,
+        resume_ids: Vec::new(),
     });
     req.set_timeout(Duration::from_secs_f64(a.timeout_s.max(0.001)));
     // Our own sampled trace context: the probe's trace id is known even before the answer.

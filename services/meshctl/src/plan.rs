@@ -230,6 +230,7 @@ impl Ctx {
             let replicas = match kind {
                 "prefill" => self.a.prefill_replicas,
                 "decode" => self.a.decode_replicas,
+                "router" => self.a.router_replicas,
                 _ => 1,
             };
             if replicas == 0 || replicas > MAX_REPLICAS {

@@ -1,18 +1,20 @@
 //! Chaos under load: a closed loop of 16 `pdmesh-loadtest` clients runs
 //! while each kind of service is killed with SIGKILL in turn, and `meshctl
 //! up` starts it again: a prefill (of two), a decode (of two), the
-//! tokenizer, the router, the kvbroker, then the gateway. For each kill the
+//! tokenizer, a router (of two), the kvbroker, then the gateway. For each kill the
 //! test prints how many requests failed and how long the mesh took to serve
 //! again, and checks:
 //! - every request ends, with tokens or a clean error, before its deadline
 //!   (the gateway's, 30 s here);
 //! - after each kill the mesh serves again within 10 s: a request sent
 //!   after the kill gets its first token;
-//! - a prefill kill fails no request (those before their first token are
-//!   dispatched again); a decode kill fails at most what it was serving;
-//!   a kvbroker kill fails at most the requests whose transfer had begun;
-//!   a tokenizer, router or gateway kill fails at most the requests in
-//!   flight at that moment (requests sent while it restarts wait for it);
+//! - a prefill, decode or router kill fails no request (before the first
+//!   token a request is dispatched again; after it, a decode worker's
+//!   requests migrate to the other one and a router's resume on the other
+//!   router through the gateway); a kvbroker kill fails at most the
+//!   requests whose transfer had begun; a tokenizer or gateway kill fails
+//!   at most the requests in flight at that moment (requests sent while it
+//!   restarts wait for it);
 //! - errors are clean: an HTTP 5xx or an error event, never a client
 //!   error, and never a cut connection except where the gateway itself died;
 //! - afterwards no KV block is pinned, reserved or leaked and no ticket is
@@ -46,7 +48,8 @@ struct Kill {
     held: f64,
 }
 
-/// Sequences a decode holds, or tickets whose transfer has begun at a broker.
+/// Sequences a decode holds, tickets whose transfer has begun at a broker,
+/// or requests a router serves.
 fn held(kind: &str, metrics: &str) -> f64 {
     let g = |n: &str| pdmesh_core::http::metric(metrics, n).unwrap_or(0.0);
     match kind {
@@ -54,6 +57,7 @@ fn held(kind: &str, metrics: &str) -> f64 {
             ["pdmesh_decode_running", "pdmesh_decode_awaiting_kv", "pdmesh_decode_queued"].iter().map(|n| g(n)).sum()
         }
         "kvbroker" => g("pdmesh_kvbroker_tickets{state=\"claimed\"}") + g("pdmesh_kvbroker_tickets{state=\"writing\"}"),
+        "router" => g("pdmesh_router_in_flight"),
         _ => 0.0,
     }
 }
@@ -118,10 +122,40 @@ fn records(run: &serde_json::Value) -> Vec<Rec> {
         .collect()
 }
 
+/// The load's clock (its start in whole unix ms, then a monotonic clock)
+/// and this test's can differ by a millisecond or two, and a kill's
+/// failures come within a millisecond of it: a failure up to GRACE_MS
+/// before a kill is that kill's.
+const GRACE_MS: f64 = 50.0;
+
+/// Requests that overran their deadline, and any that failed before the
+/// first kill (`first_kill_ms`, grace included).
+fn late_or_early(recs: &[Rec], first_kill_ms: f64) -> Vec<String> {
+    let mut problems = Vec::new();
+    for r in recs {
+        if r.kind == "stalled" || r.kind == "timeout" || r.end_ms - r.start_ms > (DEADLINE_S + 2.0) * 1e3 {
+            problems.push(format!(
+                "a request did not end by its deadline: {} after {:.1} s",
+                r.kind,
+                (r.end_ms - r.start_ms) / 1e3
+            ));
+        }
+    }
+    let early: Vec<&Rec> = recs.iter().filter(|r| r.kind != "ok" && r.end_ms < first_kill_ms).collect();
+    if !early.is_empty() {
+        problems.push(format!(
+            "{} requests failed before any kill: {:?}",
+            early.len(),
+            early.iter().map(|r| &r.message).collect::<Vec<_>>()
+        ));
+    }
+    problems
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn killing_each_kind_under_load_fails_only_what_it_held_and_the_mesh_recovers() {
     let mesh = Mesh::up_env(
-        &["--prefill-replicas", "2", "--decode-replicas", "2", "--threads", "1"],
+        &["--prefill-replicas", "2", "--decode-replicas", "2", "--router-replicas", "2", "--threads", "1"],
         &[("PDMESH_GATEWAY_REQUEST_TIMEOUT_S", "30")],
     );
     let report = mesh.dir.join("chaos.json");
@@ -130,8 +164,14 @@ async fn killing_each_kind_under_load_fails_only_what_it_held_and_the_mesh_recov
     let load = common::start_load(&mesh.gateway, &report, &[("--timeout-s", "45"), ("--stall-s", "40")]);
     mesh.flowing(16.0).await;
     let mut kills = Vec::new();
+    let mut failovers = 0.0;
     for kind in KINDS {
         kills.push(kill_one(&mesh, kind).await);
+        if kind == "router" {
+            // The gateway's count, read before the gateway's own kill resets it.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            failovers = mesh.gauge("gateway", "pdmesh_gateway_router_failovers_total").await;
+        }
         // The load runs on over the replacement before the next kill.
         tokio::time::sleep(Duration::from_secs(6)).await;
         if kind != "gateway" {
@@ -146,30 +186,7 @@ async fn killing_each_kind_under_load_fails_only_what_it_held_and_the_mesh_recov
         point["requests"], point["ok"], point["errors"], point["stalled"]
     );
 
-    let mut problems = Vec::new();
-    for r in &recs {
-        if r.kind == "stalled" || r.kind == "timeout" || r.end_ms - r.start_ms > (DEADLINE_S + 2.0) * 1e3 {
-            problems.push(format!(
-                "a request did not end by its deadline: {} after {:.1} s",
-                r.kind,
-                (r.end_ms - r.start_ms) / 1e3
-            ));
-        }
-    }
-    // The load's clock (its start in whole unix ms, then a monotonic clock)
-    // and this test's can differ by a millisecond or two, and a kill's
-    // failures come within a millisecond of it: a failure up to GRACE_MS
-    // before a kill is that kill's.
-    const GRACE_MS: f64 = 50.0;
-    let first_kill = kills[0].at_ms - GRACE_MS;
-    let early: Vec<&Rec> = recs.iter().filter(|r| r.kind != "ok" && r.end_ms < first_kill).collect();
-    if !early.is_empty() {
-        problems.push(format!(
-            "{} requests failed before any kill: {:?}",
-            early.len(),
-            early.iter().map(|r| &r.message).collect::<Vec<_>>()
-        ));
-    }
+    let mut problems = late_or_early(&recs, kills[0].at_ms - GRACE_MS);
     let mut summary = Vec::new();
     for (i, k) in kills.iter().enumerate() {
         let until = kills.get(i + 1).map_or(f64::INFINITY, |n| n.at_ms - GRACE_MS);
@@ -197,10 +214,12 @@ async fn killing_each_kind_under_load_fails_only_what_it_held_and_the_mesh_recov
             problems.push(format!("after the {} kill the mesh served again only after {recovery_s:.1} s", k.kind));
         }
         let allowed = match k.kind {
-            "prefill" => 0.0,
+            // Dispatched again before the first token, migrated (decode) or
+            // resumed on the other router (router) after it.
+            "prefill" | "decode" | "router" => 0.0,
             // The gauges are read just before the kill: a request admitted
             // (or claimed) in those milliseconds is not in them yet.
-            "decode" | "kvbroker" => k.held + 2.0,
+            "kvbroker" => k.held + 2.0,
             // One instance: what it was carrying, never the requests sent
             // while it restarted (they wait for it).
             _ => in_flight as f64,
@@ -223,6 +242,11 @@ async fn killing_each_kind_under_load_fails_only_what_it_held_and_the_mesh_recov
                 ));
             }
         }
+    }
+    let router_held = kills.iter().find(|k| k.kind == "router").map_or(0.0, |k| k.held);
+    eprintln!("chaos: the router kill's {router_held} requests: {failovers} resumed on the other router");
+    if router_held > 0.0 && failovers < 1.0 {
+        problems.push(format!("the killed router served {router_held} requests, yet none was resumed elsewhere"));
     }
     let path = mesh.dir.join("chaos-summary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap()).unwrap();

@@ -123,6 +123,7 @@ fn generate(method: &str, g: &mut Rng) -> Vec<u8> {
             stop: (0..g.below(3)).map(|_| g.string()).collect(),
             ignore_eos: g.below(2) == 0,
             max_tokens_to_fit: g.below(2) == 0,
+            resume_ids: g.ids(),
         }
         .encode_to_vec(),
         rpc::TOKENIZER_ENCODE => tpb::EncodeRequest {

@@ -135,6 +135,9 @@ impl Router {
         }
         check_fits(prompt.len(), job.max_tokens, context)?;
         let mut out = Out::new(job.stop.clone(), prompt.len() as u32, started);
+        if !job.replay.is_empty() {
+            self.resume(&mut out, &job.replay).await?;
+        }
         let mut avoid = Avoid::default();
         let (mut retries, mut migrations) = (0u32, 0u32);
         let mut workers = [String::new(), String::new()];
@@ -231,9 +234,10 @@ impl Router {
     }
 }
 
-/// The job of a request continued after `sent` tokens on another decode
-/// worker: it replays them (computing their KV by decode steps, as the lost
-/// worker did, so what follows is what it would have sent) and goes on.
+/// The job of a request continued after `sent` tokens (a migration, or a
+/// resumed request): a decode worker replays them (computing their KV by
+/// decode steps, as the lost worker did, so what follows is what it would
+/// have sent) and goes on.
 fn continued(job: &Job, sent: &[u32]) -> Job {
     Job { replay: sent.to_vec(), ..job.clone() }
 }

@@ -288,6 +288,19 @@ impl Router {
         }
     }
 
+    /// A resumed request: the tokens its caller already has go through the
+    /// detokenizer and the stop matcher as they did on the lost router, so
+    /// the text that follows continues theirs, and nothing is sent.
+    pub async fn resume(&self, out: &mut Out, ids: &[u32]) -> Result<(), Status> {
+        let text = self.detokenize(&mut out.detok, ids.to_vec()).await?;
+        let _already_sent = out.stops.push(&text);
+        out.generated.extend_from_slice(ids);
+        // Its first token reached the caller from the lost router.
+        out.last_token = Some(Instant::now());
+        tracing::Span::current().set_attribute(attr::RESUMED_AFTER_TOKENS, ids.len() as i64);
+        Ok(())
+    }
+
     /// End a request whose decode worker was lost after its last token
     /// but before it said so: flush the text held back, then the finish.
     pub async fn conclude(&self, out: &mut Out, tx: &Tx, workers: &[String; 2]) -> Result<(), Status> {

@@ -26,8 +26,9 @@ pub struct Job {
     /// call carries what is left of it, so a prompt that cannot make it is
     /// not started and one whose time is up stops.
     pub deadline: Option<std::time::Instant>,
-    /// Tokens already sent to the caller by a decode worker that was lost:
-    /// the next one takes them as its first (a migration).
+    /// Tokens the caller already has (a request resumed after its router
+    /// was lost): they are not streamed again, and a decode worker takes
+    /// them as its first tokens (as after a migration).
     pub replay: Vec<u32>,
 }
 
@@ -51,6 +52,9 @@ pub fn validate(
     }
     if r.max_tokens == 0 {
         return Err(bad("max_tokens must be at least 1"));
+    }
+    if r.resume_ids.len() >= r.max_tokens as usize {
+        return Err(bad("resume_ids must be fewer than max_tokens: a resumed request has tokens left to generate"));
     }
     let s = r.sampling.unwrap_or_default();
     if !(0.0..=limits::MAX_TEMPERATURE).contains(&s.temperature) {
@@ -79,7 +83,7 @@ pub fn validate(
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         deadline: None,
-        replay: Vec::new(),
+        replay: r.resume_ids,
     };
     Ok((input, job))
 }

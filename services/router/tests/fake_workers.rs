@@ -86,10 +86,22 @@ async fn generate(
     max_tokens: u32,
     timeout: Option<Duration>,
 ) -> Result<String, tonic::Status> {
+    generate_resumed(router, prompt, max_tokens, timeout, vec![]).await
+}
+
+/// [`generate`] for a request resumed after `resume_ids` (a gateway's failover).
+async fn generate_resumed(
+    router: &Running,
+    prompt: &str,
+    max_tokens: u32,
+    timeout: Option<Duration>,
+    resume_ids: Vec<u32>,
+) -> Result<String, tonic::Status> {
     let mut c = pb::router_client::RouterClient::connect(router.url.clone()).await.unwrap();
     let mut req = tonic::Request::new(pb::GenerateRequest {
         input: Some(pb::generate_request::Input::Prompt(prompt.into())),
         max_tokens,
+        resume_ids,
         ..Default::default()
     });
     if let Some(t) = timeout {
@@ -180,6 +192,20 @@ async fn a_decode_worker_lost_mid_stream_hands_the_request_to_another_with_nothi
     assert_eq!((second.prompt_ids.clone(), second.max_tokens), (ids("hi"), first.max_tokens));
     assert_eq!(second.replay_ids, ids(&answer[..5]));
     assert!(s.decodes.iter().all(|d| d.calls() == 1), "the lost worker is not tried again");
+}
+
+#[tokio::test]
+async fn a_resumed_request_sends_only_what_follows_the_tokens_its_caller_has() {
+    // The gateway's failover: another router was lost after "the ".
+    let answer = "the stream goes on";
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
+    let decode = Script::new(vec![DecodeReply::Serve(ids(answer))]);
+    let s = setup(TokenizerScript::default(), prefill, 1, decode, 1, &[]).await;
+    let text = generate_resumed(&s.router, "hi", 64, None, ids("the ")).await.unwrap();
+    assert_eq!(text, "stream goes on");
+    assert_eq!(s.decodes[0].requests()[0].replay_ids, ids("the "), "the decode worker replays them");
+    let e = generate_resumed(&s.router, "hi", 4, None, ids("the ")).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "nothing left to generate: {e:?}");
 }
 
 #[tokio::test]

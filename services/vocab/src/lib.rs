@@ -151,6 +151,11 @@ pub mod attr {
     pub const DECODE_RETRIES: &str = "router.decode_retries";
     /// Router: times the request moved to another decode worker mid-stream.
     pub const MIGRATIONS: &str = "router.migrations";
+    /// Router: a request resumed after its router was lost, with this many
+    /// tokens already at the caller.
+    pub const RESUMED_AFTER_TOKENS: &str = "router.resumed_after_tokens";
+    /// Gateway: times the request moved to another router mid-stream.
+    pub const GATEWAY_FAILOVERS: &str = "gateway.router_failovers";
     /// Router: tokens the caller had when the request last migrated.
     pub const MIGRATED_AFTER_TOKENS: &str = "router.migrated_after_tokens";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";

@@ -91,6 +91,7 @@ pub mod gateway {
     pub const REQUESTS_TOTAL: &str = name!("gateway", "requests_total");
     pub const CONNECTIONS: &str = name!("gateway", "connections");
     pub const CONNECTIONS_REFUSED_TOTAL: &str = name!("gateway", "connections_refused_total");
+    pub const ROUTER_FAILOVERS_TOTAL: &str = name!("gateway", "router_failovers_total");
     /// Served only with `--api-keys-file`, like the next two.
     pub const API_KEYS: &str = name!("gateway", "api_keys");
     pub const AUTH_REFUSED_TOTAL: &str = name!("gateway", "auth_refused_total");
@@ -174,6 +175,7 @@ const OWN: &[&str] = &[
     gateway::REQUESTS_TOTAL,
     gateway::CONNECTIONS,
     gateway::CONNECTIONS_REFUSED_TOTAL,
+    gateway::ROUTER_FAILOVERS_TOTAL,
     gateway::API_KEYS,
     gateway::AUTH_REFUSED_TOTAL,
     gateway::API_KEYS_RELOAD_ERRORS_TOTAL,

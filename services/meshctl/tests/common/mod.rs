@@ -254,6 +254,7 @@ pub fn chat_request(user: &str, max_tokens: u32, ignore_eos: bool) -> pb::Genera
         stop: vec![],
         ignore_eos,
         max_tokens_to_fit: false,
+        resume_ids: Vec::new(),
     }
 }
 
@@ -413,6 +414,7 @@ pub fn raw_request(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
         stop: vec![],
         ignore_eos: true,
         max_tokens_to_fit: false,
+        resume_ids: Vec::new(),
     }
 }
 

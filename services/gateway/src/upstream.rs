@@ -1,0 +1,170 @@
+//! The router call behind one API request, and its failover. Nothing has
+//! reached the client before the router's first event, so a router that
+//! cannot be reached, or dies first, is asked again (the restarted one or
+//! another) for up to `ROUTER_PATIENCE`. A router lost after tokens
+//! reached the client is replaced too: the request is sent again to another
+//! router with the token ids streamed so far (`resume_ids`), which goes on
+//! after them, so the client sees one unbroken answer.
+
+use std::time::Duration;
+
+use axum::response::Response;
+use pdmesh_core::peers::Peers;
+use pdmesh_core::telemetry::{self, SpanExt};
+use pdmesh_core::vocab::{attr, rpc};
+use pdmesh_proto::router::v1 as pb;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::error::{error_body, from_router, status_response, timed_out, unavailable};
+
+/// How long a request waits for a router that cannot be reached.
+const ROUTER_PATIENCE: Duration = Duration::from_secs(3);
+/// Pause before asking a router that could not be reached again.
+const ROUTER_RETRY: Duration = Duration::from_millis(100);
+/// Most routers one request moves to after tokens reached its client.
+const MAX_FAILOVERS: u32 = 2;
+
+/// One request's router stream, resumed on another router if it is lost.
+pub struct Upstream {
+    routers: Peers,
+    request: pb::GenerateRequest,
+    /// When the request must end.
+    until: Instant,
+    stream: tonic::Streaming<pb::GenerateResponse>,
+    /// The first event, not yet handed out.
+    first: Option<Option<pb::GenerateResponse>>,
+    /// The client span of the current call; it ends when this is dropped.
+    rpc: telemetry::Held,
+    /// Token ids handed out so far.
+    sent: Vec<u32>,
+    pub failovers: u32,
+}
+
+impl Upstream {
+    /// Call a router and wait for its first event, so that refusals get
+    /// their own HTTP status.
+    pub async fn open(routers: Peers, request: pb::GenerateRequest, deadline: Duration) -> Result<Upstream, Response> {
+        let until = Instant::now() + deadline;
+        let (stream, first, rpc) = call(&routers, &request, until).await.map_err(|e| e.response())?;
+        let first = Some(first);
+        let rpc = telemetry::Held(rpc);
+        Ok(Upstream { routers, request, until, stream, first, rpc, sent: Vec::new(), failovers: 0 })
+    }
+
+    /// The request's client span (the current router call's).
+    pub fn span(&self) -> &tracing::Span {
+        self.rpc.span()
+    }
+
+    /// The next event; a router lost mid-stream is replaced within the
+    /// deadline, up to `MAX_FAILOVERS` times.
+    pub async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, tonic::Status> {
+        loop {
+            let m = match self.first.take() {
+                Some(first) => Ok(first),
+                None => self.stream.message().await,
+            };
+            match m {
+                Err(s) if pdmesh_core::grpc::is_transport(&s) && self.failovers < MAX_FAILOVERS => {
+                    telemetry::record_status(self.rpc.span(), Some(&s));
+                    self.fail_over(s).await?;
+                }
+                Ok(Some(m)) => {
+                    if let Some(pb::generate_response::Event::Delta(d)) = &m.event {
+                        self.sent.extend_from_slice(&d.ids);
+                    }
+                    return Ok(Some(m));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Send the request again, with the ids streamed so far, to a router
+    /// that answers; its first event is the next one handed out.
+    async fn fail_over(&mut self, lost: tonic::Status) -> Result<(), tonic::Status> {
+        self.failovers += 1;
+        let mut request = self.request.clone();
+        request.resume_ids = self.sent.clone();
+        if request.resume_ids.len() >= request.max_tokens as usize {
+            return Err(lost);
+        }
+        let (stream, first, rpc) = call(&self.routers, &request, self.until).await.map_err(|e| e.status(lost))?;
+        rpc.set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
+        tracing::Span::current().set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
+        (self.stream, self.first, self.rpc) = (stream, Some(first), telemetry::Held(rpc));
+        Ok(())
+    }
+}
+
+/// Why no router call could be opened.
+enum Refused {
+    /// The router's own answer (a refusal, a bad request).
+    Router(tonic::Status),
+    /// No router could be reached in time.
+    NoRouter,
+    Deadline,
+    Internal(String),
+}
+
+impl Refused {
+    fn response(self) -> Response {
+        match self {
+            Refused::Router(s) => status_response(&from_router(s)),
+            Refused::NoRouter => unavailable("no router is available"),
+            Refused::Deadline => timed_out(),
+            Refused::Internal(e) => error_body(500, &e, "internal_error", None, None),
+        }
+    }
+
+    /// The status a failover that could not be made ends the stream with.
+    fn status(self, lost: tonic::Status) -> tonic::Status {
+        match self {
+            Refused::Router(s) => s,
+            Refused::Deadline => tonic::Status::deadline_exceeded("request did not finish within its deadline"),
+            Refused::NoRouter | Refused::Internal(_) => lost,
+        }
+    }
+}
+
+type Opened = (tonic::Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>, tracing::Span);
+
+/// A router call up to its first event, asking again (the same router
+/// restarted, or another) while none can be reached, for `ROUTER_PATIENCE`.
+async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) -> Result<Opened, Refused> {
+    let t0 = Instant::now();
+    let patience = ROUTER_PATIENCE.min(until.saturating_duration_since(t0));
+    let mut attempt = 0usize;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let wait = patience.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
+        let list = routers.wait_any(wait).await.ok_or(Refused::NoRouter)?;
+        let ch = routers.channel(&list[attempt % list.len()]).map_err(Refused::Internal)?;
+        attempt += 1;
+        let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, request.clone());
+        req.set_timeout(left);
+        let mut client = pb::router_client::RouterClient::new(ch);
+        let opened = async {
+            let mut s = client.generate(req).await?.into_inner();
+            let first = s.message().await?;
+            Ok::<_, tonic::Status>((s, first))
+        };
+        match tokio::time::timeout(left + Duration::from_millis(500), opened.instrument(rpc.clone())).await {
+            Ok(Ok((stream, first))) => return Ok((stream, first, rpc)),
+            Ok(Err(s)) => {
+                telemetry::record_status(&rpc, Some(&s));
+                let again = t0.elapsed() + ROUTER_RETRY;
+                if pdmesh_core::grpc::is_transport(&s) && again < patience {
+                    tokio::time::sleep(ROUTER_RETRY).await;
+                    continue;
+                }
+                return Err(Refused::Router(s));
+            }
+            Err(_) => {
+                telemetry::mark_error(&rpc, "deadline exceeded");
+                return Err(Refused::Deadline);
+            }
+        }
+    }
+}
