@@ -39,8 +39,11 @@ impl From<Error> for Status {
             }
             NoTransport(w) => Status::failed_precondition(format!("no transport reaches decode worker {w}")),
             NotOpened => Status::deadline_exceeded("no decode worker opened the transfer ticket in time"),
-            // The same status the decode reports for this ticket.
-            TicketEnded(TicketState::Expired, why) => Status::deadline_exceeded(why),
+            // The same status the decode reports for this ticket: the mesh's
+            // fault (this write was too late), never the caller's deadline.
+            TicketEnded(TicketState::Expired, why) => {
+                Status::unavailable(format!("{}: {why}", pdmesh_core::vocab::LEASE_EXPIRED))
+            }
             TicketEnded(TicketState::Cancelled, why) => Status::cancelled(why),
             TicketEnded(_, why) | Mismatch(why) => Status::failed_precondition(why),
             LeaseEnding(why) => Status::deadline_exceeded(why),

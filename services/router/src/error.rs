@@ -71,8 +71,21 @@ fn worker_fault(what: &str, lost: &str, e: &Status) -> Status {
     }
 }
 
+/// What the caller hears when a transfer's lease ran out (either worker
+/// may report it first).
+fn lease_expired(e: &Status) -> Option<Status> {
+    (e.code() == Code::Unavailable && e.message().starts_with(pdmesh_core::vocab::LEASE_EXPIRED)).then(|| {
+        Status::unavailable(
+            "the prompt's KV did not reach its decode worker before the transfer's lease ran out (a prefill worker failed or stalled)",
+        )
+    })
+}
+
 /// A failed Prefill call.
 pub fn prefill_failure(e: Status) -> Status {
+    if let Some(s) = lease_expired(&e) {
+        return s;
+    }
     match e.code() {
         _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed during its prefill"),
         _ if is_transport(&e) => worker_fault("prefill worker", "was lost mid-request", &e),
@@ -86,13 +99,13 @@ pub fn prefill_failure(e: Status) -> Status {
 
 /// A decode stream that failed after it admitted the request.
 pub fn decode_failure(e: Status) -> Status {
+    if let Some(s) = lease_expired(&e) {
+        return s;
+    }
     match e.code() {
         _ if timed_out(&e) => Status::deadline_exceeded("the request's deadline passed during its generation"),
         _ if is_transport(&e) => worker_fault("decode worker", "was lost mid-request", &e),
         Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded => e,
-        Code::Unavailable if e.message().starts_with(pdmesh_core::vocab::LEASE_EXPIRED) => Status::unavailable(
-            "the prompt's KV did not reach its decode worker before the transfer's lease ran out (a prefill worker failed or stalled)",
-        ),
         // The decode's CANCELLED is never the caller's leaving (the router
         // sees that itself): its ticket was cancelled inside the mesh.
         _ => worker_fault("decode worker", "was lost mid-request", &e),
@@ -189,6 +202,8 @@ mod tests {
             decode_failure(Status::unavailable(format!("{}: lease expired", pdmesh_core::vocab::LEASE_EXPIRED)));
         assert_eq!(lease.code(), Code::Unavailable, "the mesh's fault, never the caller's deadline");
         assert!(lease.message().contains("lease ran out") && decode_retryable(&lease), "{lease:?}");
+        let lease = prefill_failure(Status::unavailable(format!("{}: late write", pdmesh_core::vocab::LEASE_EXPIRED)));
+        assert!(lease.message().contains("lease ran out") && prefill_retryable(&lease), "{lease:?}");
         let inner = decode_failure(Status::cancelled("KV transfer cancelled: prefill-0 drained"));
         assert_eq!((inner.code(), inner.message()), (Code::Unavailable, "a decode worker failed"));
         let full =
