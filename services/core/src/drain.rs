@@ -6,7 +6,8 @@
 //!    removed), so routers stop picking this instance;
 //! 2. `--drain-notice-ms` later (peers' watches have seen it; requests they
 //!    routed meanwhile are still served), wait until no request is in
-//!    flight — a decode's running sequences finish, a prefill's transfers
+//!    flight — a decode hands its sequences over to other decode workers
+//!    first (`Grpc::hand_over`), a prefill's transfers
 //!    complete — for at most `--drain-timeout-s`;
 //! 3. stop serving and deregister; the process exits 0. Work still running
 //!    at the deadline is cut: its callers see the connection close, which

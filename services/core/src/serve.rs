@@ -135,17 +135,22 @@ impl Admin {
         }
     }
 
-    /// [`Admin::leave`], then wait for `busy()` to reach 0 (up to
-    /// `--drain-timeout-s`). Returns the requests still in flight (0 = clean).
+    /// [`Admin::leave`], then `hand_over` (see [`Grpc::hand_over`]), then
+    /// wait for `busy()` to reach 0 (up to `--drain-timeout-s`). Returns
+    /// the requests still in flight (0 = clean).
     pub async fn drain(
         &self,
         announced: &mut Announced,
         health: Option<&crate::grpc::Health>,
         common: &CommonArgs,
+        hand_over: Option<Box<dyn FnOnce() + Send>>,
         busy: impl Fn() -> usize,
     ) -> usize {
         let t0 = tokio::time::Instant::now();
         self.leave(announced, health, common).await;
+        if let Some(h) = hand_over {
+            h();
+        }
         common.drain.wait_idle(&format!("pdmesh-{}", self.state.service()), t0, busy).await
     }
 
@@ -185,6 +190,11 @@ pub struct Grpc {
     /// Full gRPC name for health and reflection: `pdmesh.router.v1.Router`.
     pub name: &'static str,
     pub routes: tonic::service::Routes,
+    /// Called once on drain, after the notice (peers no longer pick this
+    /// instance): hand the work in flight to other instances instead of
+    /// waiting for it (a decode worker ends its streams so that routers
+    /// migrate them). None: wait for the work to finish.
+    pub hand_over: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// How long a drained server may take to close its connections before the
@@ -231,7 +241,7 @@ pub async fn serve_grpc(
             }
             _ = &mut shutdown => {}
         }
-        admin.drain(&mut announced, Some(&health), common, || in_flight.get()).await;
+        admin.drain(&mut announced, Some(&health), common, grpc.hand_over, || in_flight.get()).await;
     }
     let _ = stop.send(());
     let r = tokio::time::timeout(CLOSE_GRACE, &mut server).await.unwrap_or(Ok(()));

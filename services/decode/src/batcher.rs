@@ -59,6 +59,8 @@ enum Cmd {
     Release {
         seq: SeqId,
     },
+    /// Draining: hand every sequence over (see `Loop::hand_over_all`).
+    HandOver,
 }
 
 /// Live load, read by /metrics and the Load RPC.
@@ -84,6 +86,8 @@ pub struct Stats {
     pub local_prefill_tokens: AtomicU64,
     /// Tickets opened again at a kvbroker that had lost them.
     pub tickets_reopened: AtomicU64,
+    /// Sequences handed over to other decode workers on drain.
+    pub handed_over: AtomicU64,
     pub prefix: SharedPrefix,
     pub block_bytes: usize,
     /// Step time against this worker's normal.
@@ -121,6 +125,7 @@ impl Batcher {
             local_prefills: AtomicU64::new(0),
             local_prefill_tokens: AtomicU64::new(0),
             tickets_reopened: AtomicU64::new(0),
+            handed_over: AtomicU64::new(0),
             prefix: SharedPrefix::new(&engine.kv.blocks),
             block_bytes: engine.kv.layout.block_bytes(),
             step_costs: Arc::default(),
@@ -144,6 +149,7 @@ impl Batcher {
                     prefilling: VecDeque::new(),
                     reserved: Default::default(),
                     lost: false,
+                    handing_over: false,
                 }
                 .run(rx)
             })
@@ -190,6 +196,14 @@ impl Batcher {
     /// Free a sequence that never started (unknown ids are ignored).
     pub fn release(&self, seq: SeqId) {
         let _ = self.tx.send(Cmd::Release { seq });
+    }
+
+    /// What a drain calls: from then on every sequence is handed over.
+    pub fn hand_over(&self) -> Box<dyn FnOnce() + Send> {
+        let tx = self.tx.clone();
+        Box::new(move || {
+            let _ = tx.send(Cmd::HandOver);
+        })
     }
 }
 
@@ -268,6 +282,8 @@ struct Loop {
     reserved: HashMap<SeqId, u32>,
     /// The GPU was lost in a step: the loop stops (the worker leaves service).
     lost: bool,
+    /// Draining: sequences are handed over instead of run to their end.
+    handing_over: bool,
 }
 
 fn reason(f: FinishReason) -> i32 {
@@ -303,6 +319,9 @@ impl Loop {
                 }
             }
             self.drop_abandoned();
+            if self.handing_over {
+                self.hand_over_all();
+            }
             while self.running.len() < self.max_batch {
                 let Some(s) = self.ready.pop_front() else { break };
                 self.running.push(s);
@@ -350,6 +369,7 @@ impl Loop {
             }
             Cmd::Local { prompt, params, events, span, reply } => self.admit_local(prompt, params, events, span, reply),
             Cmd::Release { seq } => self.release_reserved(seq),
+            Cmd::HandOver => self.handing_over = true,
         }
     }
 
@@ -498,6 +518,24 @@ impl Loop {
     }
 
     /// Release sequences whose client has gone (stream closed).
+    /// Draining: end every sequence's stream with UNAVAILABLE and free it.
+    /// Its router migrates the request to another decode worker, replaying
+    /// the tokens already sent, so the drain ends within a step instead of
+    /// waiting for the longest answer; sequences that start later (their
+    /// KV was on its way) are handed over alike.
+    fn hand_over_all(&mut self) {
+        // Each stream's span ends as its sequence is dropped here.
+        let seqs = self.running.drain(..).chain(self.ready.drain(..)).map(|s| (s.id, s.events.clone()));
+        let all: Vec<(SeqId, Events)> = seqs.chain(self.prefilling.drain(..).map(|p| (p.id, p.events))).collect();
+        for (id, events) in all {
+            let why = "this decode worker is draining: the request continues on another";
+            let _ = events.send(Err(Status::unavailable(why)));
+            let _ = self.engine.release(id);
+            self.stats.outcomes.inc(Outcome::of_code(tonic::Code::Unavailable));
+            self.stats.handed_over.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     fn drop_abandoned(&mut self) {
         let engine = &mut self.engine;
         let stats = &self.stats;

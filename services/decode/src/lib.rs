@@ -36,7 +36,8 @@ fn render(st: &Stats, f: Format) -> String {
         .gauge(metric::decode::LOCAL_PREFILLING, "Local prefills admitted and not yet at their first token.", g(&st.local_prefilling))
         .counter(metric::decode::LOCAL_PREFILLS_TOTAL, "Prompts prefilled by this decode worker itself (local prefill).", st.local_prefills.load(Ordering::Relaxed))
         .counter(metric::decode::LOCAL_PREFILL_TOKENS_TOTAL, "Prompt tokens computed by local prefills (cached ones not counted).", st.local_prefill_tokens.load(Ordering::Relaxed))
-        .counter(metric::decode::TICKETS_REOPENED_TOTAL, "Transfer tickets opened again at a kvbroker that had lost them (restarted) before their transfer began.", st.tickets_reopened.load(Ordering::Relaxed));
+        .counter(metric::decode::TICKETS_REOPENED_TOTAL, "Transfer tickets opened again at a kvbroker that had lost them (restarted) before their transfer began.", st.tickets_reopened.load(Ordering::Relaxed))
+        .counter(metric::decode::HANDED_OVER_TOTAL, "Sequences handed over to other decode workers on drain (their routers migrate them).", st.handed_over.load(Ordering::Relaxed));
     st.outcomes.render(&mut t, metric::decode::REQUESTS_TOTAL, "Finished decode requests by outcome.");
     st.prefix.render(&metric::decode::WORKER, st.block_bytes, &mut t);
     st.step_costs.render(&metric::decode::WORKER, &mut t);
@@ -87,6 +88,7 @@ pub async fn serve(
             stop_progress.clone(),
         );
     }
+    let hand_over = batcher.hand_over();
     let svc = server::Service {
         batcher,
         broker: broker.clone(),
@@ -98,7 +100,12 @@ pub async fn serve(
     let routes =
         tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc).max_decoding_message_size(64 << 20));
     let r = pdmesh_worker::serve_worker(
-        pdmesh_core::serve::Grpc { service: "decode", name: "pdmesh.decode.v1.Decode", routes },
+        pdmesh_core::serve::Grpc {
+            service: "decode",
+            name: "pdmesh.decode.v1.Decode",
+            routes,
+            hand_over: Some(hand_over),
+        },
         &config.worker.common,
         admin,
         listener,
@@ -107,6 +114,8 @@ pub async fn serve(
     )
     .await;
     stop_progress.store(true, Ordering::Relaxed);
+    let t0 = std::time::Instant::now();
     drop(nixl);
+    eprintln!("pdmesh-decode: stopped; KV transport released in {:.2} s", t0.elapsed().as_secs_f64());
     r
 }

@@ -96,7 +96,7 @@ pub async fn serve(
         agent_ttl_ms: config.agent_ttl_s.saturating_mul(1000),
     };
     let routes = tonic::service::Routes::new(pb::kv_broker_server::KvBrokerServer::new(broker));
-    let grpc = Grpc { service: "kvbroker", name: "pdmesh.kvbroker.v1.KvBroker", routes };
+    let grpc = Grpc { service: "kvbroker", name: "pdmesh.kvbroker.v1.KvBroker", routes, hand_over: None };
     let r = serve_grpc(admin, &config.common, grpc, listener, shutdown, std::future::ready(())).await;
     let _ = stop_tx.send(true);
     r

@@ -27,7 +27,7 @@ async fn running_on(mesh: &Mesh, id: &str, n: f64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_decode_drained_with_8_running_sequences_finishes_them_and_leaves() {
+async fn a_decode_drained_with_8_running_sequences_hands_them_over_and_leaves_in_seconds() {
     let mesh = tokio::task::block_in_place(|| Mesh::up(&["--threads", "1", "--drain-notice-ms", "1000"]));
     let victim = mesh.instance("decode").await;
     let pid = pid_of(&victim);
@@ -48,14 +48,17 @@ async fn a_decode_drained_with_8_running_sequences_finishes_them_and_leaves() {
     running_on(&mesh, &victim.id, 8.0).await;
     let registry = mesh.dir.join("registry").display().to_string();
     tokio::task::block_in_place(|| meshctl_ok(&["scale", "decode=2"], &["--registry-dir", &registry]));
+    let migrations = mesh.gauge("router", "pdmesh_router_migrations_total").await;
     let t0 = Instant::now();
-    let drain = tokio::task::spawn_blocking(move || meshctl_ok(&["drain", "decode-0"], &["--registry-dir", &registry]));
+    let drain = tokio::task::spawn_blocking(move || {
+        meshctl_ok(&["drain", "decode-0"], &["--registry-dir", &registry]);
+        t0.elapsed()
+    });
     // Out of discovery at once, while it still serves what it holds.
     while mesh.registry().healthy("decode").await.unwrap().iter().any(|i| i.id == victim.id) {
         assert!(t0.elapsed() < Duration::from_secs(5), "{} still listed while draining", victim.id);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(alive(pid), "a drained decode waits for its sequences");
     // New requests go to the other decode meanwhile.
     let mut r = router.clone();
     let extra =
@@ -66,8 +69,13 @@ async fn a_decode_drained_with_8_running_sequences_finishes_them_and_leaves() {
             q.await.unwrap().expect("ends within its deadline").unwrap_or_else(|e| panic!("request {i} failed: {e}"));
         assert_eq!(out.ids.len(), tokens as usize, "request {i} got all its tokens");
     }
-    drain.await.unwrap();
+    let took = drain.await.unwrap();
     assert!(!alive(pid), "`meshctl drain` returns once the instance has exited");
+    // After the notice (1 s) it hands its 8 sequences over (their routers
+    // migrate them, replaying the tokens sent) instead of running them out.
+    eprintln!("{{\"drain_8_sequences_s\": {:.2}, \"notice_s\": 1.0}}", took.as_secs_f64());
+    assert!(took < Duration::from_secs(5), "the drain took {took:?}");
+    assert_eq!(mesh.gauge("router", "pdmesh_router_migrations_total").await, migrations + 8.0, "all 8 moved");
     let log = std::fs::read_to_string(mesh.dir.join("logs").join(format!("{}.log", victim.id))).unwrap();
     assert!(log.contains("drained in"), "the decode says it drained clean:\n{log}");
     eprintln!("{}", log.lines().filter(|l| l.contains("drain")).collect::<Vec<_>>().join("\n"));

@@ -113,7 +113,7 @@ pub async fn serve(
     };
     let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));
     pdmesh_worker::serve_worker(
-        pdmesh_core::serve::Grpc { service: "prefill", name: "pdmesh.prefill.v1.Prefill", routes },
+        pdmesh_core::serve::Grpc { service: "prefill", name: "pdmesh.prefill.v1.Prefill", routes, hand_over: None },
         &config.worker.common,
         admin,
         listener,

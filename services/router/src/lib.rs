@@ -127,7 +127,7 @@ pub async fn serve(
     let poll = load::poll_loads(router.loads.clone(), workers, Duration::from_millis(250));
     let _poller = state::AbortOnDrop(tokio::spawn(poll));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
-    let grpc = Grpc { service: "router", name: "pdmesh.router.v1.Router", routes };
+    let grpc = Grpc { service: "router", name: "pdmesh.router.v1.Router", routes, hand_over: None };
     // Ready once every kind of worker is reachable.
     let ready = async move {
         loop {

@@ -74,6 +74,6 @@ pub async fn serve(
         metrics,
     };
     let routes = tonic::service::Routes::new(pb::tokenizer_server::TokenizerServer::new(svc));
-    let grpc = Grpc { service: "tokenizer", name: "pdmesh.tokenizer.v1.Tokenizer", routes };
+    let grpc = Grpc { service: "tokenizer", name: "pdmesh.tokenizer.v1.Tokenizer", routes, hand_over: None };
     serve_grpc(admin, &config.common, grpc, listener, shutdown, std::future::ready(())).await
 }

@@ -161,6 +161,7 @@ pub mod decode {
     pub const LOCAL_PREFILLS_TOTAL: &str = name!("decode", "local_prefills_total");
     pub const LOCAL_PREFILL_TOKENS_TOTAL: &str = name!("decode", "local_prefill_tokens_total");
     pub const TICKETS_REOPENED_TOTAL: &str = name!("decode", "tickets_reopened_total");
+    pub const HANDED_OVER_TOTAL: &str = name!("decode", "handed_over_total");
     pub const REQUESTS_TOTAL: &str = name!("decode", "requests_total");
     /// The prefix-cache and step-cost families.
     pub const WORKER: Worker = worker!("decode");
@@ -223,6 +224,7 @@ const OWN: &[&str] = &[
     decode::LOCAL_PREFILLS_TOTAL,
     decode::LOCAL_PREFILL_TOKENS_TOTAL,
     decode::TICKETS_REOPENED_TOTAL,
+    decode::HANDED_OVER_TOTAL,
     decode::REQUESTS_TOTAL,
 ];
 

@@ -85,9 +85,12 @@ pub async fn serve_worker(
         None => {
             // Still registered with the broker while draining: transfers
             // for the requests in flight need this worker's agent.
-            admin.drain(&mut a, Some(&health), common, || in_flight.get()).await;
+            admin.drain(&mut a, Some(&health), common, grpc.hand_over, || in_flight.get()).await;
             let _ = stop.send(());
-            tokio::time::timeout(pdmesh_core::serve::CLOSE_GRACE, &mut server).await.unwrap_or(Ok(()))
+            let t0 = std::time::Instant::now();
+            let r = tokio::time::timeout(pdmesh_core::serve::CLOSE_GRACE, &mut server).await.unwrap_or(Ok(()));
+            eprintln!("pdmesh-{service}: connections closed in {:.2} s", t0.elapsed().as_secs_f64());
+            r
         }
     };
     registrar.abort();
