@@ -495,6 +495,24 @@ pub(crate) mod testing {
         }
     }
 
+    /// The same spans in Jaeger's `/api/traces/<id>` shape (a hand-made
+    /// document following Jaeger's query API, not a real Jaeger).
+    pub(crate) fn as_jaeger(spans: &[Span]) -> Value {
+        let services: Vec<&str> = spans.iter().map(|s| s.service.as_str()).collect();
+        let pid = |svc: &str| format!("p{}", services.iter().position(|s| *s == svc).unwrap());
+        json!({ "data": [{
+            "traceID": spans[0].trace_id,
+            "spans": spans.iter().map(|s| json!({
+                "traceID": s.trace_id, "spanID": s.span_id, "operationName": s.name,
+                "references": if s.parent_id.is_empty() { json!([]) } else { json!([{ "refType": "CHILD_OF", "traceID": s.trace_id, "spanID": s.parent_id }]) },
+                "startTime": s.start_ns / 1000, "duration": (s.end_ns - s.start_ns) / 1000,
+                "tags": s.attrs.iter().map(|(k, v)| json!({ "key": k, "type": "string", "value": v })).chain(std::iter::once(json!({ "key": "span.kind", "type": "string", "value": s.kind }))).collect::<Vec<_>>(),
+                "processID": pid(&s.service),
+            })).collect::<Vec<_>>(),
+            "processes": spans.iter().map(|s| (pid(&s.service), json!({ "serviceName": s.service }))).collect::<serde_json::Map<_, _>>(),
+        }]})
+    }
+
     pub(crate) fn sample() -> Vec<Span> {
         vec![
             span(
@@ -586,29 +604,11 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::sample;
+    use super::testing::{as_jaeger, sample};
     use super::*;
 
-    /// The same spans in Jaeger's `/api/traces/<id>` shape (a hand-made
-    /// document following Jaeger's query API, not a real Jaeger).
-    fn as_jaeger(spans: &[Span]) -> Value {
-        let services: Vec<&str> = spans.iter().map(|s| s.service.as_str()).collect();
-        let pid = |svc: &str| format!("p{}", services.iter().position(|s| *s == svc).unwrap());
-        json!({ "data": [{
-            "traceID": spans[0].trace_id,
-            "spans": spans.iter().map(|s| json!({
-                "traceID": s.trace_id, "spanID": s.span_id, "operationName": s.name,
-                "references": if s.parent_id.is_empty() { json!([]) } else { json!([{ "refType": "CHILD_OF", "traceID": s.trace_id, "spanID": s.parent_id }]) },
-                "startTime": s.start_ns / 1000, "duration": (s.end_ns - s.start_ns) / 1000,
-                "tags": s.attrs.iter().map(|(k, v)| json!({ "key": k, "type": "string", "value": v })).chain(std::iter::once(json!({ "key": "span.kind", "type": "string", "value": s.kind }))).collect::<Vec<_>>(),
-                "processID": pid(&s.service),
-            })).collect::<Vec<_>>(),
-            "processes": spans.iter().map(|s| (pid(&s.service), json!({ "serviceName": s.service }))).collect::<serde_json::Map<_, _>>(),
-        }]})
-    }
-
     #[test]
-    fn otlp_json_and_jaeger_documents_read_back_the_same_spans() {
+    fn otlp_json_reads_back_the_same_spans() {
         let spans = sample();
         let back = from_otlp_json(&to_otlp_json(&spans));
         let mut a = spans.clone();
@@ -616,15 +616,7 @@ mod tests {
         a.sort_by(|x, y| x.span_id.cmp(&y.span_id));
         b.sort_by(|x, y| x.span_id.cmp(&y.span_id));
         assert_eq!(a, b);
-        let j = from_jaeger(&as_jaeger(&spans)).unwrap();
-        assert_eq!(j.len(), spans.len());
-        let e1 = crate::explain::explain(&spans).unwrap();
-        let e2 = crate::explain::explain(&j).unwrap();
-        assert_eq!(e1.dominant, "decode steps");
-        assert_eq!(e1.dominant, e2.dominant);
-        for (p, q) in e1.parts.iter().zip(&e2.parts) {
-            assert!((p.ms - q.ms).abs() < 0.01, "{} {} vs {}", p.cause, p.ms, q.ms);
-        }
+        assert_eq!(from_jaeger(&as_jaeger(&spans)).unwrap().len(), spans.len());
     }
 
     #[test]
@@ -644,27 +636,6 @@ mod tests {
         assert_eq!(step.parent_id, "loop");
         assert_eq!(step.links, vec![("t".to_string(), "loop".to_string()), ("u".to_string(), "other".to_string())]);
         assert_eq!(spans.iter().find(|s| s.name == "decode_loop").unwrap().parent_id, "");
-    }
-
-    #[test]
-    fn explain_charges_each_stretch_once_and_sums_to_the_request() {
-        let e = crate::explain::explain(&sample()).unwrap();
-        let get = |c: &str| e.parts.iter().find(|p| p.cause == c).unwrap().ms;
-        assert!((e.total_ms - 1000.0).abs() < 1e-6);
-        assert!(
-            (get("gateway/proxy") - (2.0 + 10.0)).abs() < 1e-6,
-            "before the router and after it until the client's backlog"
-        );
-        assert!((get("tokenize") - 5.0).abs() < 1e-6);
-        assert!((get("queue wait") - 289.0).abs() < 1e-6);
-        assert!((get("prefill compute") - 50.0).abs() < 1e-6);
-        assert!((get("KV transfer") - 50.0).abs() < 1e-6);
-        assert!((get("decode steps") - 480.0).abs() < 1e-6);
-        assert!((get("client write") - 100.0).abs() < 1e-6);
-        let sum: f64 = e.parts.iter().map(|p| p.ms).sum();
-        assert!((sum - 1000.0).abs() < 1e-6, "{sum}");
-        assert!((get("router") - 4.0).abs() < 1e-6 && (get("detokenize") - 10.0).abs() < 1e-6);
-        assert!(e.sentence.starts_with("Decode steps took 48%"), "{}", e.sentence);
     }
 
     #[test]

@@ -280,8 +280,43 @@ impl Explanation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::testing::{sample, span};
+    use crate::trace::from_jaeger;
+    use crate::trace::testing::{as_jaeger, sample, span};
     use pdmesh_core::vocab::{attr, rpc};
+
+    #[test]
+    fn explain_reads_jaeger_documents_as_otlp_ones() {
+        let spans = sample();
+        let j = from_jaeger(&as_jaeger(&spans)).unwrap();
+        let e1 = explain(&spans).unwrap();
+        let e2 = explain(&j).unwrap();
+        assert_eq!(e1.dominant, "decode steps");
+        assert_eq!(e1.dominant, e2.dominant);
+        for (p, q) in e1.parts.iter().zip(&e2.parts) {
+            assert!((p.ms - q.ms).abs() < 0.01, "{} {} vs {}", p.cause, p.ms, q.ms);
+        }
+    }
+
+    #[test]
+    fn explain_charges_each_stretch_once_and_sums_to_the_request() {
+        let e = explain(&sample()).unwrap();
+        let get = |c: &str| e.parts.iter().find(|p| p.cause == c).unwrap().ms;
+        assert!((e.total_ms - 1000.0).abs() < 1e-6);
+        assert!(
+            (get("gateway/proxy") - (2.0 + 10.0)).abs() < 1e-6,
+            "before the router and after it until the client's backlog"
+        );
+        assert!((get("tokenize") - 5.0).abs() < 1e-6);
+        assert!((get("queue wait") - 289.0).abs() < 1e-6);
+        assert!((get("prefill compute") - 50.0).abs() < 1e-6);
+        assert!((get("KV transfer") - 50.0).abs() < 1e-6);
+        assert!((get("decode steps") - 480.0).abs() < 1e-6);
+        assert!((get("client write") - 100.0).abs() < 1e-6);
+        let sum: f64 = e.parts.iter().map(|p| p.ms).sum();
+        assert!((sum - 1000.0).abs() < 1e-6, "{sum}");
+        assert!((get("router") - 4.0).abs() < 1e-6 && (get("detokenize") - 10.0).abs() < 1e-6);
+        assert!(e.sentence.starts_with("Decode steps took 48%"), "{}", e.sentence);
+    }
 
     #[test]
     fn a_migration_is_named_with_the_tokens_it_replayed() {
