@@ -4,7 +4,8 @@
 //! and deny by default, so every call the mesh makes needs its token.
 //! Checked through the agent's own API and log: registration with HTTP
 //! checks, the routers' blocking queries, a kill -9 of a decode worker
-//! going critical and its replacement passing again, and `meshctl scale`
+//! replaced and passing again, a frozen one (SIGSTOP) going critical and
+//! out of `?passing` until it answers again, and `meshctl scale`
 //! and `meshctl drain` showing in the catalog and as maintenance. The fast
 //! discovery tests keep the fake agent (tests/consul.rs).
 // Tests unwrap: a failed unwrap is a failed test.
@@ -182,25 +183,45 @@ async fn the_mesh_runs_on_a_real_consul_agent_with_acls() {
     // Requests route through it; the routers follow workers with blocking queries.
     let router = mesh.router().await;
     common::golden_at_once(&router, 4).await;
-    // kill -9 of a decode worker: critical within a check interval or two,
-    // then meshctl's replacement registers and passes again.
+    // kill -9 of a decode worker: meshctl's replacement registers again and
+    // passes. (The agent may not see the dead one critical first: its checks
+    // run at most once a second, and the replacement can re-register sooner.)
     let victim = agent.passing("decode").pop().unwrap();
     let inst = mesh.registry().healthy("decode").await.unwrap().into_iter().find(|i| i.id == victim).unwrap();
-    common::signal(common::pid_of(&inst), libc::SIGKILL);
-    let check = format!("service:{victim}");
-    let critical = tokio::task::block_in_place(|| {
-        wait("the killed decode's check critical", Duration::from_secs(10), || agent.check(&check) == "critical")
-    });
+    let old_pid = common::pid_of(&inst);
+    common::signal(old_pid, libc::SIGKILL);
     let back = tokio::task::block_in_place(|| {
-        wait("the replacement passing", Duration::from_secs(120), || agent.passing("decode").contains(&victim))
+        let rt = tokio::runtime::Handle::current();
+        wait("the replacement registered and passing", Duration::from_secs(120), || {
+            let list = rt.block_on(mesh.registry().healthy("decode")).unwrap_or_default();
+            let replaced = list.iter().any(|i| i.id == victim && common::pid_of(i) > 0 && common::pid_of(i) != old_pid);
+            replaced && agent.passing("decode").contains(&victim)
+        })
     });
-    eprintln!("decode {victim} killed: critical after {critical:?}, replaced and passing {back:?} later");
-    // The routers saw that through blocking queries: the agent logs each
-    // one when it returns (held, here, until the kill changed the answer).
+    eprintln!("decode {victim} killed: replaced and passing after {back:?}");
+    common::golden_at_once(&router, 2).await;
+    // An instance that stops answering (SIGSTOP) goes critical at the agent
+    // and out of ?passing, so routers drop it; answering again, it passes.
+    let frozen = agent.passing("decode").into_iter().find(|id| *id != victim).unwrap();
+    let inst = mesh.registry().healthy("decode").await.unwrap().into_iter().find(|i| i.id == frozen).unwrap();
+    let pid = common::pid_of(&inst);
+    common::signal(pid, libc::SIGSTOP);
+    let check = format!("service:{frozen}");
+    let critical = tokio::task::block_in_place(|| {
+        wait("the frozen decode's check critical", Duration::from_secs(15), || agent.check(&check) == "critical")
+    });
+    assert!(!agent.passing("decode").contains(&frozen), "critical instances leave ?passing");
+    eprintln!("decode {frozen} frozen: critical after {critical:?}");
+    common::golden_at_once(&router, 2).await;
+    common::signal(pid, libc::SIGCONT);
+    tokio::task::block_in_place(|| {
+        wait("the thawed decode passing", Duration::from_secs(15), || agent.passing("decode").contains(&frozen))
+    });
+    // The routers saw all that through blocking queries: the agent logs each
+    // one when it returns (held, here, until a change).
     let blocking = |l: &&str| l.contains("/v1/health/service/pdmesh-decode?") && l.contains("index=");
     let log = agent.log_text();
     assert!(log.lines().any(|l| blocking(&l)), "no blocking query for pdmesh-decode in the agent's log");
-    common::golden_at_once(&router, 2).await;
 
     // meshctl scale shows in the catalog; meshctl drain puts the instance in maintenance, then it leaves.
     tokio::task::block_in_place(|| common::meshctl_ok(&["scale", "decode=3"], &at));
