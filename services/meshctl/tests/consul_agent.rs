@@ -24,11 +24,7 @@ const TOKEN: &str = "pdmesh-test-management-token";
 
 /// The Consul binary: PDMESH_CONSUL_BIN, else where scripts/gotool.sh consul builds it.
 fn consul_bin() -> Option<PathBuf> {
-    if let Some(b) = std::env::var_os("PDMESH_CONSUL_BIN") {
-        return Some(PathBuf::from(b));
-    }
-    let cache = pdmesh_model::CacheArgs::from_env().dir();
-    Some(cache.join("consul-v1.16.1").join("consul")).filter(|p| p.exists())
+    common::cached_tool("PDMESH_CONSUL_BIN", "consul", "v1.16.1")
 }
 
 fn free_port() -> u16 {

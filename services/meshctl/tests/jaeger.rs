@@ -26,11 +26,7 @@ const SERVICES: [&str; 6] =
 
 /// The Jaeger binary: PDMESH_JAEGER_BIN, else where scripts/gotool.sh jaeger builds it.
 fn jaeger_bin() -> Option<PathBuf> {
-    if let Some(b) = std::env::var_os("PDMESH_JAEGER_BIN") {
-        return Some(PathBuf::from(b));
-    }
-    let cache = pdmesh_model::CacheArgs::from_env().dir();
-    Some(cache.join("jaeger-v1.75.0").join("jaeger")).filter(|p| p.exists())
+    common::cached_tool("PDMESH_JAEGER_BIN", "jaeger", "v1.75.0")
 }
 
 fn free_addr() -> String {

@@ -33,14 +33,7 @@ async fn disturbed(
     let mut s = router.generate(req).await.unwrap().into_inner();
     let (mut o, mut killed) = (Outcome::default(), None);
     while let Some(m) = s.message().await.unwrap() {
-        match m.event {
-            Some(pb::generate_response::Event::Delta(d)) => {
-                o.ids.extend(d.ids);
-                o.text.push_str(&d.text);
-            }
-            Some(pb::generate_response::Event::Finished(f)) => o.finished = Some(f),
-            None => {}
-        }
+        o.take(m);
         if killed.is_none() && o.ids.len() >= after {
             let (id, pid) = busy_decode(mesh).await;
             signal(pid, libc::SIGKILL);

@@ -106,9 +106,9 @@ impl Router {
     /// Relay a dispatched request's tokens to `tx` until it finishes.
     pub async fn relay(&self, d: Dispatched, out: &mut Out, tx: &Tx) -> Result<(), Failed> {
         let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, .. } = d;
-        if out.generated.is_empty() {
-            out.n_cached = cached_tokens;
-        }
+        // The prompt is the same on every dispatch (tokens already sent are
+        // replayed, not prefilled): the latest worker's reuse counts.
+        out.n_cached = cached_tokens;
         let out = &mut *out;
         loop {
             let msg = tokio::select! {
@@ -117,9 +117,7 @@ impl Router {
                     prefill = None;
                     match p {
                         Ok(Ok(r)) => {
-                            if out.generated.is_empty() {
-                                out.n_cached = r.into_inner().cached_tokens;
-                            }
+                            out.n_cached = r.into_inner().cached_tokens;
                             continue;
                         }
                         // Its answer lost after the KV went over: the tokens flow on.

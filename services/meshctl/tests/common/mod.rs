@@ -265,16 +265,33 @@ pub async fn run(
     let mut s = client.generate(req).await?.into_inner();
     let mut o = Outcome::default();
     while let Some(m) = s.message().await? {
+        o.take(m);
+    }
+    Ok(o)
+}
+
+impl Outcome {
+    /// Add one event of the router's stream.
+    pub fn take(&mut self, m: pb::GenerateResponse) {
         match m.event {
             Some(pb::generate_response::Event::Delta(d)) => {
-                o.ids.extend(d.ids);
-                o.text.push_str(&d.text);
+                self.ids.extend(d.ids);
+                self.text.push_str(&d.text);
             }
-            Some(pb::generate_response::Event::Finished(f)) => o.finished = Some(f),
+            Some(pb::generate_response::Event::Finished(f)) => self.finished = Some(f),
             None => {}
         }
     }
-    Ok(o)
+}
+
+/// A Go-built tool the tests run for real: `env` (a path), else the binary
+/// `scripts/gotool.sh` builds into the pdmesh cache (`<tool>-<version>/<tool>`).
+pub fn cached_tool(env: &str, tool: &str, version: &str) -> Option<PathBuf> {
+    if let Some(b) = std::env::var_os(env) {
+        return Some(PathBuf::from(b));
+    }
+    let cache = pdmesh_model::CacheArgs::from_env().dir();
+    Some(cache.join(format!("{tool}-{version}")).join(tool)).filter(|p| p.exists())
 }
 
 impl Mesh {
