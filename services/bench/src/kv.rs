@@ -73,6 +73,9 @@ impl dpb::decode_server::Decode for Sink {
     async fn load(&self, _r: Request<dpb::LoadRequest>) -> Result<Response<dpb::LoadResponse>, Status> {
         Err(Status::unimplemented("kvbench target"))
     }
+    async fn hand_over(&self, _r: Request<dpb::HandOverRequest>) -> Result<Response<dpb::HandOverResponse>, Status> {
+        Err(Status::unimplemented("kvbench target"))
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -114,7 +117,7 @@ async fn target(a: &Args) -> Result<(), String> {
     if let Some(x) = nixl {
         let x = std::sync::Arc::new(x);
         let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        kv::spawn_progress(x.clone(), || true, flag.clone());
+        kv::spawn_progress(x.clone(), || true, |_| {}, flag.clone());
         pdmesh_core::grpc::serve_routes(routes, l, Default::default(), stop).await.map_err(|e| e.to_string())?;
         flag.store(true, std::sync::atomic::Ordering::Relaxed);
     } else {
@@ -202,9 +205,32 @@ pub async fn run(a: Args) -> Result<(), String> {
     );
     drop(child.stdin.take());
     let _ = child.wait();
+    let nixl_s = report.get("nixl").and_then(|v| v["median_s"].as_f64());
+    report.insert("integrity".into(), integrity(&src, a.rounds, nixl_s, s));
     report.insert("rounds".into(), json!(a.rounds));
     println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(report)).unwrap_or_default());
     Ok(())
+}
+
+/// What the KV checksums cost: CRC-32C of every block of `src`, median of
+/// `rounds`. The sender takes them as the prompt finishes (off the transfer
+/// path); the receiver's check of the same bytes is on it, so its share of
+/// each transport's transfer time is the overhead.
+fn integrity(src: &[u8], rounds: usize, nixl_s: Option<f64>, tcp_s: f64) -> serde_json::Value {
+    let t: Vec<f64> = (0..rounds.max(1))
+        .map(|_| {
+            let t0 = Instant::now();
+            std::hint::black_box(pdmesh_engine::kv::block_checksums(std::hint::black_box(src), BLOCK_BYTES));
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    let c = median(t);
+    json!({
+        "crc32c_median_s": c,
+        "gb_per_s": src.len() as f64 / c / 1e9,
+        "receiver_check_vs_nixl": nixl_s.map(|n| c / n),
+        "receiver_check_vs_tcp": c / tcp_s,
+    })
 }
 
 /// Seconds of each of `rounds` copies of `src` within host memory.

@@ -7,7 +7,9 @@
 //! long after claiming a ticket before writing the KV: a stalled transfer),
 //! `prefill.queue_hold_ms` (each prompt stays queued at least this long) and
 //! `gateway.slow_client_ms` (each SSE chunk is handed to the client this
-//! much later: a slow reader).
+//! much later: a slow reader) and `prefill.kv_corrupt` (the next N KV
+//! transfers each get one byte flipped after their checksums were taken:
+//! corruption in flight, over either transport; see [`take`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,4 +42,20 @@ pub fn get(name: &str) -> u64 {
         return 0;
     }
     SWITCHES.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|m| m.get(name).copied()).unwrap_or(0)
+}
+
+/// Use up one count of a switch: true (and the switch one lower) when it
+/// was above 0. For faults that hit the next N events.
+pub fn take(name: &str) -> bool {
+    if !enabled() {
+        return false;
+    }
+    let mut g = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+    match g.as_mut().and_then(|m| m.get_mut(name)) {
+        Some(n) if *n > 0 => {
+            *n -= 1;
+            true
+        }
+        _ => false,
+    }
 }

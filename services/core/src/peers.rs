@@ -85,6 +85,12 @@ impl Peers {
         self.channels.get(&inst.grpc_addr)
     }
 
+    /// A channel to the instance at `grpc_addr`, announced or not (one
+    /// that left discovery to drain still answers its callers).
+    pub fn channel_to(&self, grpc_addr: &str) -> Result<Channel, String> {
+        self.channels.get(grpc_addr)
+    }
+
     /// The first live instance and a channel to it, waiting up to `timeout`.
     pub async fn first(&self, timeout: Duration) -> Result<(Instance, Channel), String> {
         let list = self.wait_any(timeout).await.ok_or_else(|| format!("no live {} instance", self.service))?;

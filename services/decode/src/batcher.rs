@@ -14,10 +14,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pdmesh_core::metrics::{Histogram, Outcome, Outcomes};
-use pdmesh_core::telemetry::SpanExt;
+use pdmesh_core::telemetry::{self, SpanExt};
 use pdmesh_core::vocab::{attr, span};
 use pdmesh_engine::model::StepOptions;
 use pdmesh_engine::{Engine, EngineError, FinishReason, KvBlob, NextToken, SamplingParams, SeqId, TokenEvent};
@@ -29,6 +29,12 @@ use pdmesh_worker::KernelSpans;
 use tokio::sync::oneshot;
 use tonic::Status;
 
+mod park;
+pub use park::PARK_TTL;
+
+/// What a stream handed over for its router to replay ends with.
+const HANDED_OVER: &str = "this decode worker is draining: the request continues on another";
+
 /// Where a sequence's events go: the gRPC response stream.
 pub type Events = tokio::sync::mpsc::UnboundedSender<Result<pb::GenerateResponse, Status>>;
 
@@ -36,16 +42,21 @@ enum Cmd {
     Reserve {
         prompt: Vec<u32>,
         params: SamplingParams,
+        /// Handed over mid-stream: the KV covers the replayed tokens too.
+        continued: bool,
         reply: oneshot::Sender<Result<(SeqId, Vec<u32>), EngineError>>,
     },
     Import {
         seq: SeqId,
         blob: KvBlob,
+        sums: Vec<u32>,
         reply: oneshot::Sender<Result<(), EngineError>>,
     },
     Start {
         seq: SeqId,
         first_token: u32,
+        /// The sender's CRC-32C of each prompt block (empty: not checked).
+        checksums: Vec<u32>,
         events: Events,
         span: tracing::Span,
     },
@@ -56,11 +67,30 @@ enum Cmd {
         span: tracing::Span,
         reply: oneshot::Sender<Result<u32, EngineError>>,
     },
+    /// A NIXL write into this sequence's blocks landed: checksum them now.
+    Landed {
+        seq: SeqId,
+    },
     Release {
         seq: SeqId,
     },
     /// Draining: hand every sequence over (see `Loop::hand_over_all`).
     HandOver,
+    /// Ship a parked sequence (see [`park`]).
+    TakeParked {
+        seq: SeqId,
+        reply: oneshot::Sender<Result<park::Parcel, EngineError>>,
+    },
+    /// A copy of a parked sequence's KV being shipped (TCP).
+    ExportParked {
+        seq: SeqId,
+        reply: oneshot::Sender<Result<KvBlob, EngineError>>,
+    },
+    /// A parked sequence's shipment ended (`ok`: its KV arrived).
+    Shipped {
+        seq: SeqId,
+        ok: bool,
+    },
 }
 
 /// Live load, read by /metrics and the Load RPC.
@@ -88,6 +118,12 @@ pub struct Stats {
     pub tickets_reopened: AtomicU64,
     /// Sequences handed over to other decode workers on drain.
     pub handed_over: AtomicU64,
+    /// Of those, the ones whose KV was shipped along (not replayed).
+    pub handed_over_with_kv: AtomicU64,
+    /// Parked on drain, waiting for their KV to be shipped.
+    pub parked: AtomicU32,
+    /// Transferred prompts whose KV failed its checksum.
+    pub kv_corrupt: AtomicU64,
     pub prefix: SharedPrefix,
     pub block_bytes: usize,
     /// Step time against this worker's normal.
@@ -109,7 +145,15 @@ fn gone() -> EngineError {
 
 impl Batcher {
     /// Start the loop on its own thread; it ends when every handle is dropped.
-    pub fn start(engine: Engine, max_batch: usize, local_step_tokens: usize, kernel_spans: KernelSpans) -> Batcher {
+    /// `ship_on_drain`: a drain parks sequences for their KV to be shipped
+    /// (see [`park`]) rather than ending them for their routers to replay.
+    pub fn start(
+        engine: Engine,
+        max_batch: usize,
+        local_step_tokens: usize,
+        kernel_spans: KernelSpans,
+        ship_on_drain: bool,
+    ) -> Batcher {
         let stats = Arc::new(Stats {
             running: AtomicU32::new(0),
             queued: AtomicU32::new(0),
@@ -126,6 +170,9 @@ impl Batcher {
             local_prefill_tokens: AtomicU64::new(0),
             tickets_reopened: AtomicU64::new(0),
             handed_over: AtomicU64::new(0),
+            handed_over_with_kv: AtomicU64::new(0),
+            parked: AtomicU32::new(0),
+            kv_corrupt: AtomicU64::new(0),
             prefix: SharedPrefix::new(&engine.kv.blocks),
             block_bytes: engine.kv.layout.block_bytes(),
             step_costs: Arc::default(),
@@ -148,8 +195,11 @@ impl Batcher {
                     running: Vec::new(),
                     prefilling: VecDeque::new(),
                     reserved: Default::default(),
+                    landed: Default::default(),
                     lost: false,
                     handing_over: false,
+                    ship_on_drain,
+                    parked: HashMap::new(),
                 }
                 .run(rx)
             })
@@ -158,24 +208,48 @@ impl Batcher {
     }
 
     /// Reserve blocks for prompt + max_tokens; KvFull when they are not free.
-    pub async fn reserve(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<(SeqId, Vec<u32>), EngineError> {
+    /// `continued`: a sequence handed over mid-stream, whose KV will cover
+    /// its replayed tokens but the last too (`Engine::reserve_continued`).
+    pub async fn reserve(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        continued: bool,
+    ) -> Result<(SeqId, Vec<u32>), EngineError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Cmd::Reserve { prompt, params, reply }).map_err(|_| gone())?;
+        self.tx.send(Cmd::Reserve { prompt, params, continued, reply }).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
     }
 
-    /// Write the prompt's KV into the sequence's blocks.
-    pub async fn import(&self, seq: SeqId, blob: KvBlob) -> Result<(), EngineError> {
+    /// Write the prompt's KV into the sequence's blocks; `sums` are its
+    /// blocks' checksums as received, for the check at its start.
+    pub async fn import(&self, seq: SeqId, blob: KvBlob, sums: Vec<u32>) -> Result<(), EngineError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Cmd::Import { seq, blob, reply }).map_err(|_| gone())?;
+        self.tx.send(Cmd::Import { seq, blob, sums, reply }).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
+    }
+
+    /// A NIXL write into `seq`'s blocks landed (its note arrived): the loop
+    /// takes the blocks' checksums before the ticket says DONE, so the check
+    /// at the start compares numbers only.
+    pub fn landed(&self, seq: SeqId) {
+        let _ = self.tx.send(Cmd::Landed { seq });
     }
 
     /// Join the batch with the first token; events go to `events` from now
     /// on, and the loop releases the sequence when it ends or `events` closes.
     /// `span` (the request's server span) ends with the sequence.
-    pub fn start_sequence(&self, seq: SeqId, first_token: u32, events: Events, span: tracing::Span) {
-        let _ = self.tx.send(Cmd::Start { seq, first_token, events, span });
+    /// `checksums`: the sender's, checked against the blocks first (a
+    /// mismatch ends the request UNAVAILABLE, `KV_CORRUPT`).
+    pub fn start_sequence(
+        &self,
+        seq: SeqId,
+        first_token: u32,
+        checksums: Vec<u32>,
+        events: Events,
+        span: tracing::Span,
+    ) {
+        let _ = self.tx.send(Cmd::Start { seq, first_token, checksums, events, span });
     }
 
     /// Prefill `prompt` here and decode it: events go to `events` (the
@@ -280,10 +354,18 @@ struct Loop {
     prefilling: VecDeque<Prefilling>,
     /// Blocks of sequences reserved but not started.
     reserved: HashMap<SeqId, u32>,
+    /// Checksums of reserved sequences' blocks, taken as their NIXL write
+    /// landed or their TCP chunks arrived (and how long that took on the
+    /// loop), for the check at their start.
+    landed: HashMap<SeqId, (Vec<u32>, Duration)>,
     /// The GPU was lost in a step: the loop stops (the worker leaves service).
     lost: bool,
     /// Draining: sequences are handed over instead of run to their end.
     handing_over: bool,
+    /// Handing over parks sequences for their KV to be shipped.
+    ship_on_drain: bool,
+    /// Parked sequences, by id.
+    parked: HashMap<SeqId, park::Parked>,
 }
 
 fn reason(f: FinishReason) -> i32 {
@@ -322,6 +404,7 @@ impl Loop {
             if self.handing_over {
                 self.hand_over_all();
             }
+            self.expire_parked();
             while self.running.len() < self.max_batch {
                 let Some(s) = self.ready.pop_front() else { break };
                 self.running.push(s);
@@ -339,8 +422,13 @@ impl Loop {
 
     fn handle(&mut self, c: Cmd) {
         match c {
-            Cmd::Reserve { prompt, params, reply } => {
-                let r = self.engine.reserve_sequence(prompt, params).and_then(|id| {
+            Cmd::Reserve { prompt, params, continued, reply } => {
+                let r = if continued {
+                    self.engine.reserve_continued(prompt, params)
+                } else {
+                    self.engine.reserve_sequence(prompt, params)
+                };
+                let r = r.and_then(|id| {
                     let blocks = self.engine.blocks(id)?.to_vec();
                     Ok((id, blocks))
                 });
@@ -358,19 +446,63 @@ impl Loop {
                     }
                 }
             }
-            Cmd::Import { seq, blob, reply } => {
-                let _ = reply.send(self.engine.import_prompt_kv(seq, &blob));
+            Cmd::Import { seq, blob, sums, reply } => {
+                let r = self.engine.import_prompt_kv(seq, &blob);
+                if r.is_ok() {
+                    self.landed.insert(seq, (sums, Duration::ZERO));
+                }
+                let _ = reply.send(r);
             }
-            Cmd::Start { seq, first_token, events, span: server } => {
+            Cmd::Start { seq, first_token, checksums, events, span: server } => {
                 self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
                 self.reserved.remove(&seq);
-                let ev = self.engine.attach_first_token(seq, first_token);
+                let ev = self
+                    .verify(seq, &checksums, &server)
+                    .and_then(|()| self.engine.attach_first_token(seq, first_token));
                 self.join(seq, ev, events, server, 0);
             }
             Cmd::Local { prompt, params, events, span, reply } => self.admit_local(prompt, params, events, span, reply),
+            Cmd::Landed { seq } => {
+                if self.reserved.contains_key(&seq) {
+                    let t0 = Instant::now();
+                    if let Ok(sums) = self.engine.transfer_checksums(seq) {
+                        self.landed.insert(seq, (sums, t0.elapsed()));
+                    }
+                }
+            }
             Cmd::Release { seq } => self.release_reserved(seq),
             Cmd::HandOver => self.handing_over = true,
+            Cmd::TakeParked { seq, reply } => self.take_parked(seq, reply),
+            Cmd::ExportParked { seq, reply } => self.export_parked(seq, reply),
+            Cmd::Shipped { seq, ok } => self.unpark(seq, ok),
         }
+    }
+
+    /// Check a transferred prompt's blocks against the sender's checksums
+    /// (the `kv_verify` span, under the request's), with those taken as its
+    /// NIXL write landed if there are any; a mismatch is counted.
+    fn verify(&mut self, seq: SeqId, checksums: &[u32], server: &tracing::Span) -> Result<(), EngineError> {
+        if checksums.is_empty() {
+            return Ok(());
+        }
+        let span = tracing::info_span!(parent: server, span::KV_VERIFY,
+            { attr::KV_VERIFIED_BLOCKS } = checksums.len() as i64, { attr::KV_VERIFY_MS } = tracing::field::Empty,
+            { attr::KV_VERIFIED_ON_LANDING_MS } = tracing::field::Empty);
+        let t0 = Instant::now();
+        let got = match self.landed.remove(&seq) {
+            Some((sums, took)) => {
+                span.record(attr::KV_VERIFIED_ON_LANDING_MS, took.as_secs_f64() * 1e3);
+                Ok(sums)
+            }
+            None => self.engine.transfer_checksums(seq),
+        };
+        let r = got.and_then(|got| pdmesh_engine::kv::verify_checksums(&got, checksums));
+        span.record(attr::KV_VERIFY_MS, t0.elapsed().as_secs_f64() * 1e3);
+        if let Err(e) = &r {
+            self.stats.kv_corrupt.fetch_add(1, Ordering::Relaxed);
+            telemetry::mark_error(&span, &e.to_string());
+        }
+        r
     }
 
     /// A sequence with its first token joins the waiting line (or ends,
@@ -396,12 +528,14 @@ impl Loop {
                     { attr::DECODE_BATCH_MAX } = tracing::field::Empty,
                     { attr::DECODE_BATCH_MEAN } = tracing::field::Empty,
                 );
+                // A continued sequence's first event is its last replayed token.
+                let before = self.engine.generated(seq).map_or(0, |g| g.len().saturating_sub(1)) as u32;
                 let mut s = Seq {
                     id: seq,
                     events,
                     n_prompt,
                     n_cached,
-                    n_generated: 0,
+                    n_generated: before,
                     span,
                     _server: server,
                     steps: 0,
@@ -473,6 +607,7 @@ impl Loop {
 
     fn release_reserved(&mut self, seq: SeqId) {
         self.reserved.remove(&seq);
+        self.landed.remove(&seq);
         if self.engine.release(seq).is_ok() {
             self.stats.awaiting_kv.fetch_sub(1, Ordering::Relaxed);
         }
@@ -517,25 +652,33 @@ impl Loop {
         alive
     }
 
-    /// Release sequences whose client has gone (stream closed).
-    /// Draining: end every sequence's stream with UNAVAILABLE and free it.
-    /// Its router migrates the request to another decode worker, replaying
-    /// the tokens already sent, so the drain ends within a step instead of
-    /// waiting for the longest answer; sequences that start later (their
+    /// Draining: hand every sequence over. With KV shipping on, a started
+    /// sequence is parked for its KV to go along (see [`park`]); otherwise,
+    /// and for local prefills not at their first token, its stream ends
+    /// UNAVAILABLE and its router migrates it, replaying the tokens already
+    /// sent. Either way the drain ends within a step or a shipment instead
+    /// of waiting for the longest answer; sequences that start later (their
     /// KV was on its way) are handed over alike.
     fn hand_over_all(&mut self) {
-        // Each stream's span ends as its sequence is dropped here.
-        let seqs = self.running.drain(..).chain(self.ready.drain(..)).map(|s| (s.id, s.events.clone()));
-        let all: Vec<(SeqId, Events)> = seqs.chain(self.prefilling.drain(..).map(|p| (p.id, p.events))).collect();
-        for (id, events) in all {
-            let why = "this decode worker is draining: the request continues on another";
-            let _ = events.send(Err(Status::unavailable(why)));
+        let seqs: Vec<Seq> = self.running.drain(..).chain(self.ready.drain(..)).collect();
+        let mut ended: Vec<(SeqId, Events)> = self.prefilling.drain(..).map(|p| (p.id, p.events)).collect();
+        for s in seqs {
+            if self.ship_on_drain {
+                self.park(s);
+            } else {
+                // Its span ends as it is dropped here.
+                ended.push((s.id, s.events.clone()));
+            }
+        }
+        for (id, events) in ended {
+            let _ = events.send(Err(Status::unavailable(HANDED_OVER)));
             let _ = self.engine.release(id);
             self.stats.outcomes.inc(Outcome::of_code(tonic::Code::Unavailable));
             self.stats.handed_over.fetch_add(1, Ordering::Relaxed);
         }
     }
 
+    /// Release sequences whose client has gone (stream closed).
     fn drop_abandoned(&mut self) {
         let engine = &mut self.engine;
         let stats = &self.stats;
@@ -668,6 +811,7 @@ impl Loop {
         self.stats.kv_used.store(self.engine.kv.used() as u32, Ordering::Relaxed);
         self.stats.kv_reserved.store(self.reserved.values().sum(), Ordering::Relaxed);
         self.stats.local_prefilling.store(self.prefilling.len() as u32, Ordering::Relaxed);
+        self.stats.parked.store(self.parked.len() as u32, Ordering::Relaxed);
         self.stats.prefix.refresh(&mut self.engine.kv.blocks);
     }
 }

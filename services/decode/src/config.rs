@@ -35,6 +35,13 @@ pub struct Config {
     /// ~250 ms instead of ~700 ms at 16-32.
     #[arg(long, env = "PDMESH_DECODE_LOCAL_STEP_TOKENS", default_value_t = 64)]
     pub local_step_tokens: usize,
+    /// On drain, `true`: ship each running sequence's KV (prompt and tokens
+    /// so far, NIXL where both ends have it, else TCP) to the decode worker
+    /// its router picks next, which goes on from the last token. `false`:
+    /// end the streams, and the routers replay the tokens so far elsewhere
+    /// (decode steps recompute their KV).
+    #[arg(long, env = "PDMESH_DECODE_DRAIN_SHIPS_KV", default_value_t = true, action = clap::ArgAction::Set)]
+    pub drain_ships_kv: bool,
     #[command(flatten)]
     pub worker: pdmesh_worker::WorkerArgs,
 }

@@ -18,8 +18,10 @@ use pdmesh_proto::decode::v1 as pb;
 use pdmesh_worker::ServeError;
 use tokio::net::TcpListener;
 
-use crate::batcher::{Batcher, Stats};
+use crate::batcher::{Batcher, Stats, PARK_TTL};
 use crate::config::Config;
+use pdmesh_worker::kv::send::transports;
+use pdmesh_worker::kv::ship::Shipper;
 
 fn render(st: &Stats, f: Format) -> String {
     let mut t = Text::new(f);
@@ -37,7 +39,10 @@ fn render(st: &Stats, f: Format) -> String {
         .counter(metric::decode::LOCAL_PREFILLS_TOTAL, "Prompts prefilled by this decode worker itself (local prefill).", st.local_prefills.load(Ordering::Relaxed))
         .counter(metric::decode::LOCAL_PREFILL_TOKENS_TOTAL, "Prompt tokens computed by local prefills (cached ones not counted).", st.local_prefill_tokens.load(Ordering::Relaxed))
         .counter(metric::decode::TICKETS_REOPENED_TOTAL, "Transfer tickets opened again at a kvbroker that had lost them (restarted) before their transfer began.", st.tickets_reopened.load(Ordering::Relaxed))
-        .counter(metric::decode::HANDED_OVER_TOTAL, "Sequences handed over to other decode workers on drain (their routers migrate them).", st.handed_over.load(Ordering::Relaxed));
+        .counter(metric::decode::HANDED_OVER_TOTAL, "Sequences handed over to other decode workers on drain (their routers migrate them).", st.handed_over.load(Ordering::Relaxed))
+        .counter(metric::decode::HANDED_OVER_WITH_KV_TOTAL, "Sequences handed over on drain with their KV shipped along (no replay).", st.handed_over_with_kv.load(Ordering::Relaxed))
+        .gauge(metric::decode::PARKED, "Sequences parked by a drain, waiting for their KV to be shipped.", g(&st.parked))
+        .counter(metric::decode::KV_CORRUPT_TOTAL, "Transferred prompts whose KV failed its checksum before the first decode step (ended UNAVAILABLE; the router transfers again).", st.kv_corrupt.load(Ordering::Relaxed));
     st.outcomes.render(&mut t, metric::decode::REQUESTS_TOTAL, "Finished decode requests by outcome.");
     st.prefix.render(&metric::decode::WORKER, st.block_bytes, &mut t);
     st.step_costs.render(&metric::decode::WORKER, &mut t);
@@ -61,11 +66,13 @@ pub async fn serve(
     let mut agent = w.agent();
     let pdmesh_worker::Started { admin, engine, stats, worker_id, nixl, broker } = w;
     let layout = engine.kv.layout;
+    let host_arena = engine.kv.arena();
     let batcher = Batcher::start(
         engine,
         config.worker.engine.max_batch(),
         config.local_step_tokens,
         config.worker.engine.trace_kernel_steps,
+        config.drain_ships_kv,
     );
     let _ = stats.set(batcher.stats.clone());
     let alive = batcher.alive.clone();
@@ -75,6 +82,7 @@ pub async fn serve(
     // With NIXL, prefill workers write straight into the registered arena;
     // WriteKv (tcp) stays available for those without it.
     let stop_progress = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pending = server::Pending::default();
     if let Some(n) = &nixl {
         agent.nixl_metadata = n.metadata().map_err(ServeError::Setup)?;
         agent.arena_addr = n.arena.addr as u64;
@@ -82,20 +90,37 @@ pub async fn serve(
         agent.arena_in_vram = n.arena.gpu.is_some();
         agent.arena_gpu = n.arena.gpu.unwrap_or(0) as u32;
         let st = batcher.stats.clone();
+        // A write landed: its sequence's blocks are checksummed at once,
+        // while the ticket's completion travels through the kvbroker.
+        let (b, p) = (batcher.clone(), pending.clone());
+        let landed = move |request_id: &str| {
+            if let Some((seq, _)) = p.lock().unwrap_or_else(|e| e.into_inner()).get(request_id) {
+                b.landed(*seq);
+            }
+        };
         pdmesh_worker::kv::spawn_progress(
             n.clone(),
             move || st.awaiting_kv.load(Ordering::Relaxed) > 0,
+            landed,
             stop_progress.clone(),
         );
     }
     let hand_over = batcher.hand_over();
+    let ship = Shipper {
+        transports: transports(nixl.clone(), layout, 1 << 20),
+        broker: broker.clone(),
+        worker_id: worker_id.clone(),
+        claim_timeout: PARK_TTL,
+    };
     let svc = server::Service {
         batcher,
+        ship,
         broker: broker.clone(),
         worker_id,
         layout,
         lease_ms: config.lease_ms,
-        pending: Default::default(),
+        pending,
+        host_arena,
     };
     let routes =
         tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc).max_decoding_message_size(64 << 20));

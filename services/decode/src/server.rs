@@ -22,19 +22,25 @@ use pdmesh_core::telemetry::{self, SpanExt};
 use crate::batcher::{Batcher, Events};
 use crate::error::{broker_refusal, Error};
 use pdmesh_core::vocab::{attr, rpc, span};
+use pdmesh_worker::kv::ship::{self, Shipper};
 
 pub struct Service {
     pub batcher: Batcher,
+    /// Ships the KV of sequences parked by a drain (`HandOver`).
+    pub ship: Shipper,
     pub broker: Peers,
     pub worker_id: String,
     pub layout: KvLayout,
     pub lease_ms: u32,
     /// Sequences reserved and waiting for their KV, by request id.
     pub pending: Pending,
+    /// The host KV arena (address, length): reserved blocks are backed with
+    /// memory before the transfer writes into them.
+    pub host_arena: (usize, usize),
 }
 
 /// Sequences reserved and waiting for their KV, by request id: the
-/// sequence and its prompt's length (what a `WriteKv` may carry).
+/// sequence and the positions its transfer brings (what a `WriteKv` may carry).
 pub type Pending = Arc<Mutex<HashMap<String, (SeqId, u32)>>>;
 
 /// Frees a reserved sequence that never started (client gone, ticket failed).
@@ -118,8 +124,11 @@ impl Service {
                 .map_err(|e| pdmesh_worker::status(&e))?;
             return Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)));
         }
-        let n_prompt = r.prompt_ids.len() as u32;
-        let (seq, blocks) = self.batcher.reserve(r.prompt_ids, params).await.map_err(|e| pdmesh_worker::status(&e))?;
+        // Positions the transfer brings: the prompt, and for a sequence
+        // handed over mid-stream its tokens so far but the last.
+        let n_kv = (r.prompt_ids.len() + if r.continued { r.replay_ids.len().saturating_sub(1) } else { 0 }) as u32;
+        let (seq, blocks) =
+            self.batcher.reserve(r.prompt_ids, params, r.continued).await.map_err(|e| pdmesh_worker::status(&e))?;
         {
             let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             if p.contains_key(&r.request_id) {
@@ -127,7 +136,7 @@ impl Service {
                 self.batcher.release(seq);
                 return Err(Error::AlreadyAdmitted(r.request_id).into());
             }
-            p.insert(r.request_id.clone(), (seq, n_prompt));
+            p.insert(r.request_id.clone(), (seq, n_kv));
         }
         let res = Reservation {
             batcher: self.batcher.clone(),
@@ -137,13 +146,19 @@ impl Service {
             started: false,
             claimed: false,
         };
+        let (arena, block_bytes, filled) = (
+            self.host_arena,
+            self.layout.block_bytes(),
+            blocks[..self.layout.blocks_for(n_kv as usize).min(blocks.len())].to_vec(),
+        );
+        tokio::task::spawn_blocking(move || pdmesh_engine::kv::prefault_blocks(arena, block_bytes, &filled));
         let n_blocks = blocks.len() as u32;
         tracing::Span::current().record(attr::KV_BLOCKS_RESERVED, n_blocks as i64);
         let open = kpb::OpenTicketRequest {
             request_id: r.request_id.clone(),
             dest_worker: self.worker_id.clone(),
             dest_blocks: blocks,
-            n_tokens: n_prompt,
+            n_tokens: n_kv,
             lease_ms: self.lease_ms,
         };
         let opened =
@@ -228,7 +243,7 @@ impl Waiting {
                             };
                             self.res.started = true;
                             drop(self.spans);
-                            self.batcher.start_sequence(self.res.seq, first, self.tx, self.server);
+                            self.batcher.start_sequence(self.res.seq, first, t.block_crc32c, self.tx, self.server);
                             return;
                         }
                         kpb::TicketState::Failed | kpb::TicketState::Cancelled | kpb::TicketState::Expired => {
@@ -349,6 +364,12 @@ impl pb::decode_server::Decode for Service {
         telemetry::finish(&span, r).map(Response::new)
     }
 
+    async fn hand_over(&self, req: Request<pb::HandOverRequest>) -> Result<Response<pb::HandOverResponse>, Status> {
+        let span = tracing::Span::current();
+        let r = self.ship_parked(req.into_inner()).instrument(span.clone()).await;
+        telemetry::finish(&span, r).map(Response::new)
+    }
+
     async fn load(&self, req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
         let req = req.into_inner();
         let st = &self.batcher.stats;
@@ -366,6 +387,30 @@ impl pb::decode_server::Decode for Service {
 }
 
 impl Service {
+    /// Ship a parked sequence's KV into the ticket `r.request_id` (the
+    /// `kv_transfer` span); it is freed here either way.
+    async fn ship_parked(&self, r: pb::HandOverRequest) -> Result<pb::HandOverResponse, Status> {
+        let src = self.batcher.take_parked(r.sequence).await.map_err(|e| pdmesh_worker::status(&e))?;
+        let p = &src.parcel;
+        let (ticket, mut broker, xfer) = self.ship.claim_for(&r.request_id, p.kv_tokens, p.blocks.len()).await?;
+        let last = p.last_token;
+        let shipped = self
+            .ship
+            .ship(ticket, &src, last, &mut broker, (ship::Faults::default(), |_: &ship::Shipped| ()))
+            .instrument(xfer.clone())
+            .await;
+        match shipped {
+            Ok(s) => {
+                src.shipped();
+                Ok(pb::HandOverResponse { kv_bytes: s.bytes, transport: s.transport.into() })
+            }
+            Err(e) => {
+                telemetry::mark_error(&xfer, e.message());
+                Err(e)
+            }
+        }
+    }
+
     async fn write_kv_inner(&self, mut s: Streaming<pb::KvChunk>) -> Result<pb::WriteKvResponse, Status> {
         let bad = |m: &str| Status::from(Error::BadRequest(m.into()));
         let first = s.message().await?.ok_or_else(|| bad("empty KV stream"))?;
@@ -375,32 +420,35 @@ impl Service {
             let why = format!("KV layout {layout:?} does not match this worker's {:?}", self.layout);
             return Err(Error::LayoutMismatch(why).into());
         }
-        let (seq, n_prompt) = *self
+        let (seq, n_kv) = *self
             .pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&first.request_id)
             .ok_or_else(|| Error::NoReservation(first.request_id.clone()))?;
         // Checked before anything is allocated: the sender does not size our buffers.
-        if first.n_tokens != n_prompt {
-            let why = format!(
-                "the KV carries {} positions; request {} reserved {n_prompt}",
-                first.n_tokens, first.request_id
-            );
+        if first.n_tokens != n_kv {
+            let why =
+                format!("the KV carries {} positions; request {} reserved {n_kv}", first.n_tokens, first.request_id);
             return Err(bad(&why));
         }
         let n_tokens = first.n_tokens as usize;
         let expected = layout.blocks_for(n_tokens) * layout.block_bytes();
         let mut bytes = Vec::with_capacity(expected);
+        // Checksummed as the chunks arrive, for the check before the first step.
+        let mut sums = pdmesh_engine::kv::StreamChecksums::new(layout.block_bytes());
         bytes.extend_from_slice(&first.data);
+        sums.push(&first.data);
         while let Some(c) = s.message().await? {
             if bytes.len() + c.data.len() > expected {
                 return Err(bad(&format!("more than the {expected} bytes {n_tokens} positions take")));
             }
             bytes.extend_from_slice(&c.data);
+            sums.push(&c.data);
         }
         let n = bytes.len() as u64;
-        self.batcher.import(seq, KvBlob { layout, n_tokens, bytes }).await.map_err(|e| pdmesh_worker::status(&e))?;
+        let blob = KvBlob { layout, n_tokens, bytes };
+        self.batcher.import(seq, blob, sums.finish()).await.map_err(|e| pdmesh_worker::status(&e))?;
         Ok(pb::WriteKvResponse { bytes: n })
     }
 }

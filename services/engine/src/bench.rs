@@ -32,6 +32,35 @@ pub struct BenchReport {
     pub decode: Vec<DecodePoint>,
     pub kv_mb_in_use_peak: f64,
     pub peak_rss_mb: f64,
+    /// The matrix-product kernel each decode batch size ran (CPU only).
+    pub kernels: Vec<(usize, &'static str)>,
+    /// Memory read bandwidth with `threads` threads, GB/s (CPU only).
+    pub read_gb_per_s: f64,
+    /// Every batch-1 step reads all weights: their bytes at that
+    /// bandwidth, in ms, and the measured batch-1 step's share of it.
+    pub batch1_floor_ms: f64,
+    pub batch1_share_of_floor: Option<f64>,
+}
+
+/// Memory read bandwidth with `threads` threads summing disjoint parts of a
+/// 512 MiB buffer (best of 3 passes), in GB/s.
+pub fn read_bandwidth(threads: usize) -> f64 {
+    let words = (512usize << 20) / 8;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let threads = threads.max(1);
+    let part = words.div_ceil(threads);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> =
+                buf.chunks(part).map(|c| s.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    (words * 8) as f64 / best / 1e9
 }
 
 /// Peak resident set size of this process (VmHWM), in MiB.
@@ -115,6 +144,15 @@ pub fn run(
             ms_per_step: dt * 1000.0 / steps as f64,
         });
     }
+    let cpu = !engine.on_gpu();
+    let be = engine.model.backend;
+    let kernels =
+        if cpu { batches.iter().map(|&b| (b, pdmesh_kernels::matmul::kernel_for(be, b))).collect() } else { vec![] };
+    let read_gb_per_s = if cpu { read_bandwidth(engine.threads()) } else { 0.0 };
+    let weights_mb = engine.model.weight_bytes() as f64 / 1e6;
+    let batch1_floor_ms = if cpu { weights_mb / read_gb_per_s } else { 0.0 };
+    let batch1_share_of_floor =
+        decode.iter().find(|d| d.batch == 1).filter(|_| cpu).map(|d| batch1_floor_ms / d.ms_per_step);
     Ok(BenchReport {
         backend: if engine.on_gpu() { engine.backend_note.clone() } else { engine.model.backend.name().to_string() },
         threads: engine.threads(),
@@ -126,5 +164,9 @@ pub fn run(
         decode,
         kv_mb_in_use_peak: (kv_peak * engine.kv.layout.block_bytes()) as f64 / 1e6,
         peak_rss_mb: peak_rss_mb(),
+        kernels,
+        read_gb_per_s,
+        batch1_floor_ms,
+        batch1_share_of_floor,
     })
 }

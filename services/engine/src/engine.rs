@@ -138,6 +138,10 @@ struct Sequence {
     tail_stored: bool,
     /// Prompt positions whose KV came from the prefix cache.
     n_reused: usize,
+    /// Positions whose KV a transfer brings to a reserved sequence: its
+    /// prompt, or for one handed over mid-stream ([`Engine::reserve_continued`])
+    /// its prompt and all but the last of its replayed tokens.
+    n_transfer: usize,
 }
 
 impl Sequence {
@@ -387,6 +391,22 @@ impl Engine {
         self.admit(prompt, params, false)
     }
 
+    /// [`Engine::reserve_sequence`] for a sequence handed over mid-stream
+    /// by another worker: the transfer brings the KV of the prompt and of
+    /// every replayed token but the last (`params.replay`, what the other
+    /// worker generated), and the sequence goes on from there with no step
+    /// replaying them.
+    pub fn reserve_continued(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SeqId> {
+        if params.replay.is_empty() {
+            return Err(EngineError::InvalidArgument("a continued sequence needs the tokens it generated".into()));
+        }
+        let more = params.replay.len() - 1;
+        let id = self.admit(prompt, params, false)?;
+        let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
+        s.n_transfer += more;
+        Ok(id)
+    }
+
     fn admit(&mut self, prompt: Vec<u32>, params: SamplingParams, reuse: bool) -> Result<SeqId> {
         params.validate()?;
         if prompt.is_empty() {
@@ -442,6 +462,7 @@ impl Engine {
             n_stored: n_shared,
             tail_stored: false,
             n_reused,
+            n_transfer: n_prompt,
         };
         self.seqs.insert(id, seq);
         Ok(id)
@@ -594,17 +615,18 @@ impl Engine {
         self.push_token(id, token)
     }
 
-    /// Write the KV of a sequence's whole prompt, computed elsewhere, into
-    /// its reserved blocks (the decode side of a prefill/decode split).
+    /// Write the KV of a sequence's whole prompt (and, continued, of its
+    /// replayed tokens but the last), computed elsewhere, into its reserved
+    /// blocks (the decode side of a prefill/decode split).
     pub fn import_prompt_kv(&mut self, id: SeqId, blob: &KvBlob) -> Result<()> {
         let s = self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))?;
         if s.n_cached != 0 || s.tokens.len() != s.n_prompt {
             return Err(EngineError::InvalidArgument(format!("sequence {id} already has KV")));
         }
-        if blob.n_tokens != s.n_prompt {
+        if blob.n_tokens != s.n_transfer {
             return Err(EngineError::KvMismatch(format!(
-                "blob holds {} positions, the prompt has {}",
-                blob.n_tokens, s.n_prompt
+                "blob holds {} positions, the sequence expects {}",
+                blob.n_tokens, s.n_transfer
             )));
         }
         self.kv.import(&s.blocks, blob)?;
@@ -621,6 +643,8 @@ impl Engine {
     /// After [`Engine::import_prompt_kv`]: mark the prompt cached and append
     /// the first token, sampled by whoever ran the prompt. The sequence can
     /// then join decode steps (unless the first token already ends it).
+    /// A continued sequence takes its replayed tokens instead, all at once
+    /// (their KV came with the prompt's); the event is its last one's.
     pub fn attach_first_token(&mut self, id: SeqId, token: u32) -> Result<TokenEvent> {
         let vocab = self.model.config.vocab_size;
         let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
@@ -630,12 +654,14 @@ impl Engine {
         if token as usize >= vocab {
             return Err(EngineError::BadToken(token));
         }
-        s.n_cached = s.n_prompt;
+        s.n_cached = s.n_transfer;
+        let before_last = s.n_transfer - s.n_prompt;
+        s.tokens.extend_from_slice(&s.params.replay[..before_last]);
         // The prompt's KV is in VRAM already (written there by NIXL, or
         // uploaded by `import_prompt_kv`), unless transfers stage through
         // the host arena: then the GPU takes its copy now.
         if let Some(g) = self.cuda.as_mut().filter(|_| !self.transfers_in_vram) {
-            let n = self.kv.layout.blocks_for(s.n_prompt);
+            let n = self.kv.layout.blocks_for(s.n_transfer);
             g.upload(&self.kv, &s.blocks[..n])?;
         }
         // The imported prompt joins the prefix cache (where the prefill
@@ -711,6 +737,42 @@ impl Engine {
             Some(g) => g.export(&s.blocks, s.n_cached),
             None => self.kv.export(&s.blocks, s.n_cached),
         }
+    }
+
+    /// CRC-32C of each block of a sequence's cached positions, as a
+    /// transfer moves them (from VRAM where transfers read VRAM).
+    pub fn kv_checksums(&self, id: SeqId) -> Result<Vec<u32>> {
+        let s = self.seq(id)?;
+        self.checksums_of(&s.blocks, s.n_cached)
+    }
+
+    /// CRC-32C of each block of the positions a transfer brought a
+    /// reserved sequence (its prompt; continued, also its replayed tokens
+    /// but the last): what a receiver checks before the first decode step
+    /// (see [`crate::kv::verify_checksums`]).
+    pub fn transfer_checksums(&self, id: SeqId) -> Result<Vec<u32>> {
+        let s = self.seq(id)?;
+        self.checksums_of(&s.blocks, s.n_transfer)
+    }
+
+    fn checksums_of(&self, blocks: &[u32], n_tokens: usize) -> Result<Vec<u32>> {
+        match &self.cuda {
+            Some(g) if self.transfers_in_vram => {
+                Ok(crate::kv::block_checksums(&g.export(blocks, n_tokens)?.bytes, self.kv.layout.block_bytes()))
+            }
+            _ => self.kv.checksums(blocks, n_tokens),
+        }
+    }
+
+    /// Fault injection: flip one byte of a sequence's last prompt block in
+    /// the memory transfers read (the host arena), after its checksums were
+    /// taken; flipping it again restores it.
+    pub fn flip_prompt_byte(&mut self, id: SeqId) -> Result<()> {
+        let s = self.seq(id)?;
+        let n = self.kv.layout.blocks_for(s.n_cached);
+        let b = *s.blocks.get(n.saturating_sub(1)).ok_or(EngineError::UnknownSequence(id))?;
+        self.kv.flip_byte(b, 1, 0x40);
+        Ok(())
     }
 
     /// Admit a sequence whose prompt was prefilled elsewhere: `tokens` is the

@@ -29,6 +29,9 @@ pub enum EngineError {
     UnknownSequence(u64),
     #[error("KV import rejected: {0}")]
     KvMismatch(String),
+    /// Transferred KV whose checksum differs from the sender's.
+    #[error("{corrupt}: {0}", corrupt = pdmesh_vocab::KV_CORRUPT)]
+    KvCorrupt(String),
     #[error("model fetch failed: {0}")]
     Fetch(#[from] pdmesh_model::FetchError),
     /// The engine's loop is gone (its thread stopped): the worker cannot serve.
@@ -84,6 +87,7 @@ impl EngineError {
             EngineError::KvFull { .. } => "kv_full",
             EngineError::UnknownSequence(_) => "unknown_sequence",
             EngineError::KvMismatch(_) => "kv_mismatch",
+            EngineError::KvCorrupt(_) => "kv_corrupt",
             EngineError::Fetch(_) => "fetch",
             EngineError::Unavailable(_) => "unavailable",
             EngineError::StepFailed(_) => "step_failed",

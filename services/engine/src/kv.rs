@@ -59,6 +59,109 @@ pub struct KvBlob {
     pub bytes: Vec<u8>,
 }
 
+/// Have the kernel back `blocks` of a host KV arena (`arena`: address and
+/// length, as [`KvCache::arena`] gives them) with memory now, writable,
+/// without touching their contents (`MADV_POPULATE_WRITE`). A receiver
+/// calls it when it reserves blocks for a transfer, off its engine thread:
+/// otherwise the first write into each untouched page faults on the
+/// transfer's path (through NIXL's cross-process copy the 59 blocks of a
+/// 940-token prompt took 66 ms instead of 6). Safe on blocks in use (the
+/// contents stay as they are); best effort (an older kernel refuses it).
+pub fn prefault_blocks(arena: (usize, usize), block_bytes: usize, blocks: &[u32]) {
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        let mut i = 0;
+        while i < sorted.len() {
+            // One call per run of consecutive blocks.
+            let mut j = i + 1;
+            while j < sorted.len() && sorted[j] == sorted[j - 1] + 1 {
+                j += 1;
+            }
+            let lo = arena.0 + sorted[i] as usize * block_bytes;
+            let hi = (arena.0 + (sorted[j - 1] as usize + 1) * block_bytes).min(arena.0 + arena.1);
+            let start = lo & !(PAGE - 1);
+            if hi > start {
+                // SAFETY: the range lies within the arena this process
+                // allocated (rounded down to its page); MADV_POPULATE_WRITE
+                // only maps pages, it never changes what they hold.
+                unsafe {
+                    libc::madvise(start as *mut libc::c_void, hi - start, libc::MADV_POPULATE_WRITE);
+                }
+            }
+            i = j;
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (arena, block_bytes, blocks);
+}
+
+/// CRC-32C of each `block_bytes`-long block of `bytes`, in order: what a
+/// KV transfer's sender computes and its receiver checks.
+pub fn block_checksums(bytes: &[u8], block_bytes: usize) -> Vec<u32> {
+    bytes.chunks(block_bytes.max(1)).map(crc32c::crc32c).collect()
+}
+
+/// [`block_checksums`] of a byte stream that arrives in pieces of any size
+/// (a TCP transfer's chunks): each block's CRC-32C is taken as its bytes
+/// come in, overlapping the rest of the transfer.
+pub struct StreamChecksums {
+    block_bytes: usize,
+    sums: Vec<u32>,
+    cur: u32,
+    filled: usize,
+}
+
+impl StreamChecksums {
+    pub fn new(block_bytes: usize) -> StreamChecksums {
+        StreamChecksums { block_bytes: block_bytes.max(1), sums: Vec::new(), cur: 0, filled: 0 }
+    }
+
+    pub fn push(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let take = (self.block_bytes - self.filled).min(data.len());
+            self.cur = crc32c::crc32c_append(self.cur, &data[..take]);
+            self.filled += take;
+            data = &data[take..];
+            if self.filled == self.block_bytes {
+                self.sums.push(self.cur);
+                (self.cur, self.filled) = (0, 0);
+            }
+        }
+    }
+
+    /// The checksums, a partly filled last block included.
+    pub fn finish(mut self) -> Vec<u32> {
+        if self.filled > 0 {
+            self.sums.push(self.cur);
+        }
+        self.sums
+    }
+}
+
+/// Check blocks' checksums as received (`got`) against the sender's:
+/// `KvCorrupt` names the first block that differs, or a count that does.
+pub fn verify_checksums(got: &[u32], expected: &[u32]) -> Result<()> {
+    if let Some(i) = got.iter().zip(expected).position(|(g, e)| g != e) {
+        return Err(EngineError::KvCorrupt(format!(
+            "block {i} of {} has CRC-32C {:08x}, the sender's was {:08x}",
+            expected.len(),
+            got[i],
+            expected[i]
+        )));
+    }
+    if got.len() != expected.len() {
+        return Err(EngineError::KvCorrupt(format!(
+            "{} blocks arrived, the sender checksummed {}",
+            got.len(),
+            expected.len()
+        )));
+    }
+    Ok(())
+}
+
 // The wire format is little-endian f16; on little-endian hosts that is the
 // in-memory representation, so blocks move with a plain copy.
 #[cfg(not(target_endian = "little"))]
@@ -284,6 +387,22 @@ impl KvCache {
         Ok(KvBlob { layout: self.layout, n_tokens, bytes })
     }
 
+    /// CRC-32C of each block covering `n_tokens` positions (whole blocks,
+    /// padding included: transfers move whole blocks), read in place.
+    pub fn checksums(&self, blocks: &[u32], n_tokens: usize) -> Result<Vec<u32>> {
+        let blocks = self.layout.covering(blocks, n_tokens)?;
+        Ok(blocks.iter().map(|b| crc32c::crc32c(f16_bytes(&self.data[self.block_range(*b)]))).collect())
+    }
+
+    /// Flip the bits of `mask` in byte `byte` of block `b` (fault injection:
+    /// a transfer's corruption, caught by the receiver's checksums).
+    pub fn flip_byte(&mut self, b: u32, byte: usize, mask: u8) {
+        let r = self.block_range(b);
+        let i = r.start + (byte / 2) % (r.end - r.start);
+        let bits = self.data[i].to_bits() ^ (u16::from(mask) << (8 * (byte % 2)));
+        self.data[i] = f16::from_bits(bits);
+    }
+
     /// Write a blob into `blocks` (which must be this sequence's own, already allocated).
     pub fn import(&mut self, blocks: &[u32], blob: &KvBlob) -> Result<()> {
         if blob.layout != self.layout {
@@ -335,6 +454,33 @@ mod tests {
         let mut sorted = b.clone();
         sorted.sort();
         assert_eq!(sorted, vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn checksums_in_place_equal_the_exported_bytes_and_catch_one_flipped_byte() {
+        let l = layout();
+        let mut a = KvCache::new(l, 4);
+        let blocks = a.allocate(3).unwrap();
+        for pos in 0..10 {
+            a.write(&blocks, 1, 0, 2, pos, &[pos as f32 * 0.25; 8]);
+        }
+        let sums = a.checksums(&blocks, 10).unwrap();
+        assert_eq!(sums.len(), 3, "10 positions in blocks of 4");
+        let blob = a.export(&blocks, 10).unwrap();
+        assert_eq!(block_checksums(&blob.bytes, l.block_bytes()), sums, "what TCP carries checks alike");
+        let mut streamed = StreamChecksums::new(l.block_bytes());
+        for piece in blob.bytes.chunks(l.block_bytes() / 3 + 5) {
+            streamed.push(piece);
+        }
+        assert_eq!(streamed.finish(), sums, "taken chunk by chunk as it arrives");
+        verify_checksums(&sums, &sums).unwrap();
+        a.flip_byte(blocks[2], 1, 0x40);
+        let bad = a.checksums(&blocks, 10).unwrap();
+        let e = verify_checksums(&bad, &sums).unwrap_err().to_string();
+        assert!(e.starts_with(pdmesh_vocab::KV_CORRUPT) && e.contains("block 2 of 3"), "{e}");
+        a.flip_byte(blocks[2], 1, 0x40);
+        assert_eq!(a.checksums(&blocks, 10).unwrap(), sums, "flipped twice, restored");
+        assert!(verify_checksums(&sums[..2], &sums).is_err(), "a missing block is caught too");
     }
 
     #[test]

@@ -125,6 +125,55 @@ fn a_replayed_sequence_goes_on_exactly_as_the_one_it_continues() {
 }
 
 #[test]
+fn a_sequence_handed_over_with_its_kv_goes_on_exactly_as_it_would_have() {
+    // A draining worker's sequence after 10 tokens: its KV (prompt and the
+    // first 9 generated) moves to another engine, which goes on from the
+    // 10th with no step replaying them; greedy and seeded alike.
+    let mut f = fixture();
+    let prompt = ids(&golden()[1]["chat_ids"]);
+    let seeded = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        seed: 11,
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut other = load(EngineOptions { kv_blocks: 64, ..Default::default() });
+    for params in [SamplingParams { ignore_eos: true, ..greedy(32) }, seeded] {
+        let whole = f.engine.generate_all(std::slice::from_ref(&prompt), &params, 1).unwrap().remove(0);
+        let id = f.engine.add_sequence(prompt.clone(), params.clone()).unwrap();
+        let mut sent = vec![f.engine.prefill(&[id]).unwrap().remove(0).token];
+        while sent.len() < 10 {
+            sent.push(f.engine.decode(&[id]).unwrap().remove(0).token);
+        }
+        let blob = f.engine.export_kv(id).unwrap();
+        assert_eq!(blob.n_tokens, prompt.len() + 9);
+        f.engine.release(id).unwrap();
+
+        let continued = SamplingParams { replay: sent.clone(), ..params.clone() };
+        let sid = other.engine.reserve_continued(prompt.clone(), continued).unwrap();
+        let short = pdmesh_engine::KvBlob { n_tokens: prompt.len(), ..blob.clone() };
+        assert!(matches!(other.engine.import_prompt_kv(sid, &short), Err(EngineError::KvMismatch(_))));
+        other.engine.import_prompt_kv(sid, &blob).unwrap();
+        assert_eq!(other.engine.transfer_checksums(sid).unwrap().len(), blob.n_tokens.div_ceil(16));
+        let ev = other.engine.attach_first_token(sid, sent[9]).unwrap();
+        assert!(ev.replayed && ev.token == sent[9], "{ev:?}");
+        let mut tokens = sent.clone();
+        let mut last = ev;
+        while last.finish.is_none() {
+            last = other.engine.decode(&[sid]).unwrap().remove(0);
+            assert!(!last.replayed);
+            tokens.push(last.token);
+        }
+        other.engine.release(sid).unwrap();
+        assert_eq!(tokens, whole, "{params:?}");
+    }
+    assert!(matches!(other.engine.reserve_continued(prompt, greedy(4)), Err(EngineError::InvalidArgument(_))));
+    assert_eq!(other.engine.kv.used(), 0);
+}
+
+#[test]
 fn admission_and_input_errors_are_clear_and_take_nothing() {
     let mut f = fixture();
     let before = f.engine.kv.used();

@@ -156,7 +156,7 @@ impl pb::kv_broker_server::KvBroker for Broker {
         self.claimant(&caller, &r.request_id, "complete it")?;
         span.set_attribute(attr::TICKET_KV_BYTES, r.bytes as i64);
         let outcome = match r.outcome {
-            Some(pb::complete_ticket_request::Outcome::FirstToken(t)) => Ok(t),
+            Some(pb::complete_ticket_request::Outcome::FirstToken(t)) => Ok((t, r.block_crc32c)),
             Some(pb::complete_ticket_request::Outcome::Failure(why)) => Err(why),
             None => return traced(span, Err(Error::Invalid("outcome is required".into()))),
         };

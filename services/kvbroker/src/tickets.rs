@@ -186,11 +186,12 @@ impl Tickets {
         Ok(self.update(id, now_ms, |t| t.state = TicketState::Writing as i32))
     }
 
-    /// Prefill: the KV is written (`Ok(first_token)`) or could not be (`Err(why)`).
+    /// Prefill: the KV is written (`Ok(first_token, block checksums)`) or
+    /// could not be (`Err(why)`).
     pub fn complete(
         &mut self,
         id: &str,
-        outcome: Result<u32, String>,
+        outcome: Result<(u32, Vec<u32>), String>,
         bytes: u64,
         now_ms: u64,
     ) -> Result<Ticket, TicketError> {
@@ -201,9 +202,10 @@ impl Tickets {
         Ok(self.update(id, now_ms, |t| {
             t.bytes = bytes;
             match outcome {
-                Ok(first) => {
+                Ok((first, sums)) => {
                     t.state = TicketState::Done as i32;
                     t.first_token = Some(first);
+                    t.block_crc32c = sums;
                 }
                 Err(why) => {
                     t.state = TicketState::Failed as i32;
@@ -309,8 +311,9 @@ mod tests {
         t.open("r1", "d0", vec![3, 4], 20, 1000, 0).unwrap();
         assert_eq!(state(&rx.borrow_and_update()), TicketState::Open);
         t.claim("r1", "p0", 1).unwrap();
-        let done = t.complete("r1", Ok(42), 1234, 2).unwrap();
+        let done = t.complete("r1", Ok((42, vec![7, 9])), 1234, 2).unwrap();
         assert_eq!((state(&done), done.first_token, done.bytes), (TicketState::Done, Some(42), 1234));
+        assert_eq!(done.block_crc32c, [7, 9], "the sender's checksums reach the watcher");
         assert!(rx.has_changed().unwrap());
         assert_eq!(state(&rx.borrow()), TicketState::Done);
     }
@@ -325,7 +328,7 @@ mod tests {
         assert_eq!(t.renew("w", 9_000, 10).unwrap().lease_deadline_unix_ms, 9_010);
         t.claim("w", "p0", 20).unwrap();
         assert_eq!(state(&t.begin_write("w", 30).unwrap()), TicketState::Writing);
-        assert_eq!(state(&t.complete("w", Ok(7), 10, 40).unwrap()), TicketState::Done);
+        assert_eq!(state(&t.complete("w", Ok((7, vec![])), 10, 40).unwrap()), TicketState::Done);
         // Once cancelled, no write may begin.
         t.open("c", "d0", vec![3], 5, 5_000, 0).unwrap();
         t.claim("c", "p0", 1).unwrap();
@@ -339,7 +342,7 @@ mod tests {
         assert_eq!(t.claim("x", "p0", 0), Err(TicketError::NotFound("x".into())));
         t.open("x", "d0", vec![1], 5, 1000, 0).unwrap();
         assert!(matches!(t.open("x", "d0", vec![1], 5, 1000, 0), Err(TicketError::WrongState(_, TicketState::Open))));
-        assert!(matches!(t.complete("x", Ok(1), 0, 0), Err(TicketError::WrongState(_, TicketState::Open))));
+        assert!(matches!(t.complete("x", Ok((1, vec![])), 0, 0), Err(TicketError::WrongState(_, TicketState::Open))));
         assert!(t.open("y", "", vec![1], 5, 1000, 0).is_err());
     }
 
@@ -355,7 +358,7 @@ mod tests {
         // Cancelling an ended ticket changes nothing.
         t.open("s", "d0", vec![1], 5, 1000, 0).unwrap();
         t.claim("s", "p0", 0).unwrap();
-        t.complete("s", Ok(7), 0, 0).unwrap();
+        t.complete("s", Ok((7, vec![])), 0, 0).unwrap();
         assert_eq!(state(&t.cancel("s", "late", 1).unwrap()), TicketState::Done);
     }
 

@@ -87,11 +87,13 @@ async fn dual_dispatch_flow_and_watchers_see_every_state() {
             request_id: "r1".into(),
             outcome: Some(pb::complete_ticket_request::Outcome::FirstToken(42)),
             bytes: 999,
+            block_crc32c: vec![0xdead_beef, 7],
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(done.first_token, Some(42));
+    assert_eq!(done.block_crc32c, [0xdead_beef, 7], "the watcher gets the sender's checksums");
     let mut seen = Vec::new();
     while let Some(t) = watch.message().await.unwrap() {
         seen.push(st(&t));
@@ -128,7 +130,7 @@ async fn lease_expiry_and_cancel_end_tickets_for_everyone() {
         .complete_ticket(pb::CompleteTicketRequest {
             request_id: "slow".into(),
             outcome: Some(pb::complete_ticket_request::Outcome::FirstToken(1)),
-            bytes: 0,
+            ..Default::default()
         })
         .await;
     assert_eq!(late.unwrap_err().code(), Code::FailedPrecondition);

@@ -93,7 +93,7 @@ pub struct Args {
     #[arg(long, default_value_t = 256)]
     pub max_local_prefill: u32,
     /// KV transport of prefill and decode workers: auto (NIXL when it loads), nixl, tcp.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, env = "PDMESH_KV_TRANSPORT", default_value = "auto")]
     pub kv_transport: String,
     /// Lease of a decode worker's transfer tickets, in milliseconds.
     #[arg(long, default_value_t = 30_000)]

@@ -81,9 +81,22 @@ pub fn write_prometheus_sd(f: &Path, svcs: &[Svc]) -> Result<(), String> {
         .map_err(|e| format!("cannot write --prometheus-sd {}: {e}", f.display()))
 }
 
+/// A free local address, never one this process handed out before: the
+/// kernel may give a port back as soon as its probe closed, and two
+/// services planned on one port would both look healthy through the one
+/// that bound it (CI once saw a router planned on its kvbroker's port).
 pub fn free_addr() -> Result<String, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
-    Ok(l.local_addr().map_err(|e| e.to_string())?.to_string())
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    for _ in 0..64 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
+        let a = l.local_addr().map_err(|e| e.to_string())?;
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&a.port()) {
+            given.push(a.port());
+            return Ok(a.to_string());
+        }
+    }
+    Err("no free port not handed out already".into())
 }
 
 fn log_tail(p: &Path) -> String {

@@ -14,6 +14,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use common::{chat_body, start_stream, Mesh};
+use pdmesh_core::vocab::metric;
 
 const SLOW: usize = 500;
 const HEADER_TIMEOUT_S: u64 = 8;
@@ -199,14 +200,18 @@ async fn bounded_queues_refuse_at_once_with_retry_after() {
     }
 
     // Four long streams are the router's limit; a fifth request gets 429.
+    // Long enough to outlast a slow start of the others on a loaded host (400
+    // tokens did not: one ended before the fifth was sent); dropped below.
     let streams: Vec<_> = tokio::task::block_in_place(|| {
         (0..4)
             .map(|i| {
-                let body = chat_body(&format!("Stream {i}"), r#","max_tokens":400,"ignore_eos":true,"stream":true"#);
+                let body = chat_body(&format!("Stream {i}"), r#","max_tokens":4000,"ignore_eos":true,"stream":true"#);
                 start_stream(&gw, &body, 1)
             })
             .collect()
     });
+    let in_flight = mesh.gauge("router", metric::router::IN_FLIGHT).await;
+    assert_eq!(in_flight, 4.0, "the four streams are all in flight at the router");
     let (st, retry, body) = tokio::task::block_in_place(|| {
         common::post_header(&gw, "/v1/chat/completions", &chat_body("Fifth", r#","max_tokens":1"#), &[], "retry-after")
     });

@@ -148,8 +148,10 @@ fn generate(method: &str, g: &mut Rng) -> Vec<u8> {
             ignore_eos: g.below(2) == 0,
             local_prefill: g.below(2) == 0,
             replay_ids: g.ids(),
+            continued: g.below(2) == 0,
         }
         .encode_to_vec(),
+        rpc::DECODE_HAND_OVER => dpb::HandOverRequest { sequence: g.next(), request_id: g.string() }.encode_to_vec(),
         rpc::DECODE_WRITE_KV => {
             let data = vec![g.below(256) as u8; g.below(4096)];
             dpb::KvChunk { request_id: g.string(), layout: g.layout(), n_tokens: g.u32(), data }.encode_to_vec()
@@ -189,6 +191,7 @@ fn generate(method: &str, g: &mut Rng) -> Vec<u8> {
                 _ => Some(kpb::complete_ticket_request::Outcome::Failure(g.string())),
             },
             bytes: g.next(),
+            block_crc32c: g.ids(),
         }
         .encode_to_vec(),
         rpc::KVBROKER_CANCEL_TICKET => {
@@ -309,6 +312,7 @@ fn methods() -> Vec<(&'static str, &'static str, Shape)> {
         ("decode", rpc::DECODE_GENERATE, ServerStream),
         ("decode", rpc::DECODE_WRITE_KV, ClientStream),
         ("decode", rpc::DECODE_LOAD, Unary),
+        ("decode", rpc::DECODE_HAND_OVER, Unary),
         ("router", rpc::ROUTER_GENERATE, ServerStream),
     ]
 }

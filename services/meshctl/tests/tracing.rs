@@ -235,8 +235,17 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
         pstep.links.iter().any(|(t, s)| t == caller_trace && s == &forward.span_id),
         "the step links to the request"
     );
-    // The transfer says what moved how.
+    // The transfer says what moved how, and the decode checked every block
+    // it moved before the first decode step.
     assert!(xfer.attr_f64("kv.bytes").unwrap_or(0.0) > 0.0, "{xfer:?}");
+    let verify = find(&spans, "pdmesh-decode", "kv_verify");
+    assert!(has(verify, decode) && verify.start_ns <= dloop.start_ns, "checked before the loop: {verify:?}");
+    assert_eq!(verify.attr_f64("kv.verified_blocks"), xfer.attr_f64("kv.blocks"), "every block moved is checked");
+    eprintln!(
+        "kv_verify: {:?} ms on the path, checksums taken on landing: {:?} ms",
+        verify.attr_f64("kv.verify_ms"),
+        verify.attr_f64("kv.verified_on_landing_ms")
+    );
     assert!(matches!(xfer.attr_str("kv.transport"), Some("nixl" | "tcp")), "{xfer:?}");
     assert!(queued.attr_f64("prefill.queue_depth").is_some() && queued.attr_f64("prefill.running").is_some());
     assert!(admit.attr_f64("decode.running").is_some());

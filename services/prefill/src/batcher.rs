@@ -47,11 +47,24 @@ pub struct Prefilled {
     pub n_tokens: usize,
     /// Prompt positions whose KV came from the prefix cache.
     pub cached_tokens: usize,
+    /// CRC-32C of each of `blocks`, taken as the prompt finished (the
+    /// receiver checks them before its first decode step).
+    pub checksums: Vec<u32>,
 }
 
 enum Cmd {
-    Export { seq: SeqId, reply: oneshot::Sender<Result<KvBlob, EngineError>> },
-    Release { seq: SeqId },
+    Export {
+        seq: SeqId,
+        reply: oneshot::Sender<Result<KvBlob, EngineError>>,
+    },
+    /// Fault injection: flip one byte of the prompt's last block (again: restore it).
+    Flip {
+        seq: SeqId,
+        reply: oneshot::Sender<Result<(), EngineError>>,
+    },
+    Release {
+        seq: SeqId,
+    },
 }
 
 pub struct Stats {
@@ -221,6 +234,14 @@ impl Pinned {
         self.q.command(Cmd::Export { seq: self.p.seq, reply });
         rx.await.map_err(|_| EngineError::Unavailable("the prefill loop has stopped".into()))?
     }
+
+    /// Fault injection: flip one byte of the prompt's last block in the
+    /// arena (a second call restores it).
+    pub async fn flip(&self) -> Result<(), EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.q.command(Cmd::Flip { seq: self.p.seq, reply });
+        rx.await.map_err(|_| EngineError::Unavailable("the prefill loop has stopped".into()))?
+    }
 }
 
 #[tonic::async_trait]
@@ -229,8 +250,16 @@ impl pdmesh_worker::kv::send::KvSource for Pinned {
         &self.p.blocks
     }
 
+    fn checksums(&self) -> &[u32] {
+        &self.p.checksums
+    }
+
     async fn export_kv(&self) -> Result<KvBlob, tonic::Status> {
         self.export().await.map_err(|e| pdmesh_worker::status(&e))
+    }
+
+    async fn flip_byte(&self) -> Result<(), tonic::Status> {
+        self.flip().await.map_err(|e| pdmesh_worker::status(&e))
     }
 }
 
@@ -429,6 +458,9 @@ impl Loop {
                 Cmd::Export { seq, reply } => {
                     let _ = reply.send(self.engine.export_kv(seq));
                 }
+                Cmd::Flip { seq, reply } => {
+                    let _ = reply.send(self.engine.flip_prompt_byte(seq));
+                }
                 Cmd::Release { seq } => {
                     if self.engine.release(seq).is_ok() {
                         self.pinned.remove(&seq);
@@ -536,7 +568,8 @@ impl Loop {
             engine.stage_for_send(id)?;
             let blocks = engine.blocks(id)?[..engine.kv.layout.blocks_for(n_tokens)].to_vec();
             let cached_tokens = engine.reused_tokens(id)?;
-            Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens })
+            let checksums = engine.kv_checksums(id)?;
+            Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens, checksums })
         });
         match r {
             Ok(p) => {

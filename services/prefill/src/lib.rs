@@ -15,7 +15,8 @@ use std::time::Duration;
 use pdmesh_core::metrics::{Format, Text};
 use pdmesh_core::vocab::metric;
 use pdmesh_proto::prefill::v1 as pb;
-use pdmesh_worker::kv::send::{KvTransport, NixlTransport, TcpTransport};
+use pdmesh_worker::kv::send::transports;
+use pdmesh_worker::kv::ship::Shipper;
 use pdmesh_worker::ServeError;
 use tokio::net::TcpListener;
 
@@ -98,17 +99,16 @@ pub async fn serve(
     batcher.max_queue = config.max_queue.max(1);
     let alive = batcher.alive.clone();
     let _ = stats.set(batcher.stats.clone());
-    let mut transports: Vec<Box<dyn KvTransport>> = Vec::new();
-    if let Some(n) = nixl.clone() {
-        transports.push(Box::new(NixlTransport { nixl: n, layout }));
-    }
-    transports.push(Box::new(TcpTransport { chunk_bytes: config.chunk_bytes, channels: Default::default() }));
-    let svc = server::Service {
-        batcher,
-        transports,
+    let ship = Shipper {
+        transports: transports(nixl.clone(), layout, config.chunk_bytes),
         broker: broker.clone(),
         worker_id,
         claim_timeout: Duration::from_millis(config.claim_timeout_ms),
+    };
+    let svc = server::Service {
+        batcher,
+        ship,
+        broker: broker.clone(),
         lease_renew_ms: config.lease_renew_ms.clamp(100, 60_000),
     };
     let routes = tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(svc));

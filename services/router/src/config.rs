@@ -34,6 +34,11 @@ pub struct Config {
     /// stream goes on, with no token repeated or missing.
     #[arg(long, env = "PDMESH_ROUTER_MAX_MIGRATIONS", default_value_t = 2)]
     pub max_migrations: u32,
+    /// How long a request waits, within its deadline, for a decode worker
+    /// (or, with local prefill off, a prefill worker) when none is live: a
+    /// supervisor restarting the only one takes a few seconds.
+    #[arg(long, env = "PDMESH_ROUTER_WORKER_WAIT_MS", default_value_t = 10_000)]
+    pub worker_wait_ms: u64,
     /// How a prefill worker is chosen: `cache-aware` (the worker whose
     /// prefix cache holds most of the prompt, unless loads are out of
     /// balance) or `least-busy`. Decode workers are picked alike when local

@@ -6,6 +6,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use pdmesh_core::discovery::Instance;
 use pdmesh_core::peers::Peers;
@@ -20,7 +21,8 @@ use tracing::Instrument;
 use crate::error::{decode_refusal, retryable, Error};
 use crate::load::{Busy, Overlap, Prompt};
 use crate::pick::{cache_aware, least_busy, prefill_mode, Branch, Candidate, Mode};
-use crate::state::{AbortOnDrop, Router, PEER_WAIT};
+use crate::relay::Handover;
+use crate::state::{AbortOnDrop, Router};
 use crate::validate::Job;
 
 /// A worker chosen for one attempt, counted as busy while held.
@@ -49,6 +51,13 @@ pub struct Avoid {
     pub prefill: Vec<String>,
     /// Decode workers' gRPC addresses.
     pub decode: Vec<String>,
+    /// No KV transfer: the decode worker prefills the prompt itself (a
+    /// transferred prompt's KV failed its checksum twice).
+    pub no_transfer: bool,
+    /// [prefill, decode]: a worker of that kind was lost (not reached),
+    /// so with no other one left the next dispatch waits for it to come
+    /// back (a supervisor restarting it on the same address).
+    pub lost: [bool; 2],
 }
 
 pub type PrefillCall = AbortOnDrop<Result<tonic::Response<ppb::PrefillResponse>, Status>>;
@@ -78,30 +87,80 @@ impl Router {
         prompt: &[u32],
         ticket: &Mutex<String>,
         avoid: &Avoid,
+        handover: Option<Handover>,
     ) -> Result<Dispatched, Status> {
+        if let Some(h) = handover {
+            return self.dispatch_handover(job, prompt, ticket, avoid, h).await;
+        }
         let mut tried_d: Vec<String> = avoid.decode.clone();
         let mut tried_p: Vec<String> = avoid.prefill.clone();
         let mut attempt = 0u32;
         loop {
             let ticket_id = self.ticket_id(&job.request_id, attempt);
             *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
-            let (d, p) = self.route(attempt, prompt, &mut tried_d, &mut tried_p).await?;
+            let wait = job.deadline.map_or(self.worker_wait, |d| {
+                d.saturating_duration_since(std::time::Instant::now()).min(self.worker_wait)
+            });
+            if avoid.lost[1] {
+                wait_back(&self.decode, &mut tried_d, wait).await;
+            }
+            if avoid.lost[0] && self.max_local_prefill == 0 {
+                wait_back(&self.prefill, &mut tried_p, wait).await;
+            }
+            let (d, p) = self.route(attempt, prompt, &mut tried_d, &mut tried_p, (avoid.no_transfer, wait)).await?;
             let d_addr = d.inst.grpc_addr.clone();
             let p_addr = p.as_ref().map(|p| p.inst.grpc_addr.clone());
-            let e = match self.attempt(job, prompt, &ticket_id, d, p).await {
+            let feed = p.map_or(Feed::Local, Feed::Prefill);
+            let e = match self.attempt(job, prompt, &ticket_id, d, feed).await {
                 Ok(x) => return Ok(x),
                 Err(e) => e,
             };
             self.cancel_ticket(&ticket_id, "decode refused the request").await;
             let other =
                 self.decode.instances().iter().any(|i| i.grpc_addr != d_addr && !tried_d.contains(&i.grpc_addr));
-            if !retryable(&e) || !other || attempt >= self.retries {
+            // The only decode worker lost: wait for it to come back.
+            let lost = pdmesh_core::grpc::is_transport(&e);
+            if !retryable(&e) || !(other || lost) || attempt >= self.retries {
                 return Err(decode_refusal(e));
             }
             tried_d.push(d_addr);
             tried_p.extend(p_addr);
+            if !other {
+                wait_back(&self.decode, &mut tried_d, wait).await;
+            }
             attempt += 1;
         }
+    }
+
+    /// Dispatch a request whose draining decode worker holds its KV: another
+    /// decode worker reserves room and opens the ticket, the draining one
+    /// ships the sequence into it (`HandOver`). One attempt: on a refusal
+    /// the caller replays the request instead.
+    async fn dispatch_handover(
+        &self,
+        job: &Job,
+        prompt: &[u32],
+        ticket: &Mutex<String>,
+        avoid: &Avoid,
+        h: Handover,
+    ) -> Result<Dispatched, Status> {
+        let ticket_id = self.ticket_id(&job.request_id, 0);
+        *ticket.lock().unwrap_or_else(|e| e.into_inner()) = ticket_id.clone();
+        let policy = self.policy.name();
+        let route = tracing::info_span!(span::ROUTE, { attr::ROUTE_POLICY } = policy, { attr::ROUTE_ATTEMPT } = 0);
+        route.set_attribute(attr::ROUTE_PREFILL_MODE, "handover");
+        route.set_attribute(attr::HANDOVER_KV_TOKENS, i64::from(h.kv_tokens));
+        let d = self.pick(&self.decode, &avoid.decode, None, Duration::ZERO).instrument(route.clone()).await;
+        let d = d.inspect_err(|e| telemetry::mark_error(&route, e.message()))?;
+        drop(route);
+        let ch = self.decode.channel_to(&h.from).map_err(Error::Internal)?;
+        let from = h.from.clone();
+        let call = start_hand_over(job, &ticket_id, ch, h);
+        let r = self.attempt(job, prompt, &ticket_id, d, Feed::HandOver(call, from)).await;
+        if r.is_err() {
+            self.cancel_ticket(&ticket_id, "no decode worker took the handed-over sequence").await;
+        }
+        r
     }
 
     /// The ticket id is the request id made unique: callers may reuse
@@ -120,6 +179,7 @@ impl Router {
         prompt: &[u32],
         tried_d: &mut Vec<String>,
         tried_p: &mut Vec<String>,
+        (no_transfer, wait): (bool, Duration),
     ) -> Result<(Picked, Option<Picked>), Status> {
         let policy = self.policy.name();
         let route =
@@ -127,18 +187,21 @@ impl Router {
         let picked = async {
             let local_on = self.max_local_prefill > 0;
             let local = local_on.then_some(prompt);
-            let d = match self.pick(&self.decode, tried_d, local).await {
+            // (Waited once already: the second look takes what is there.)
+            let d = match self.pick(&self.decode, tried_d, local, wait).await {
                 Err(_) if !tried_d.is_empty() => {
                     tried_d.clear();
-                    self.pick(&self.decode, tried_d, local).await?
+                    self.pick(&self.decode, tried_d, local, Duration::ZERO).await?
                 }
                 d => d?,
             };
-            if self.prefill_mode(prompt, &d) == Mode::Local {
+            if self.prefill_mode(prompt, &d) == Mode::Local || no_transfer {
                 self.metrics.count_mode(Mode::Local);
                 return Ok((d, None));
             }
-            let p = match self.pick(&self.prefill, tried_p, Some(prompt)).await {
+            // With local prefill on, no prefill worker means local at once.
+            let p_wait = if local_on { Duration::ZERO } else { wait };
+            let p = match self.pick(&self.prefill, tried_p, Some(prompt), p_wait).await {
                 Ok(p) => p,
                 // No prefill worker to be had (or every one failed this
                 // request): the decode worker can still prefill the prompt
@@ -149,7 +212,7 @@ impl Router {
                 }
                 Err(_) if !tried_p.is_empty() => {
                     tried_p.clear();
-                    self.pick(&self.prefill, tried_p, Some(prompt)).await?
+                    self.pick(&self.prefill, tried_p, Some(prompt), Duration::ZERO).await?
                 }
                 Err(e) => return Err(e),
             };
@@ -164,12 +227,19 @@ impl Router {
         picked
     }
 
-    /// A live instance of `peers` not in `tried`, recorded on the current
-    /// (`route`) span: for a prefill (`prompt` given) by the router's
-    /// policy ([`cache_aware`] or [`least_busy`]), for a decode least busy.
-    async fn pick(&self, peers: &Peers, tried: &[String], prompt: Option<&[u32]>) -> Result<Picked, Status> {
+    /// A live instance of `peers` not in `tried` (waiting up to `wait` for
+    /// one when none is live), recorded on the current (`route`) span: for
+    /// a prefill (`prompt` given) by the router's policy ([`cache_aware`] or
+    /// [`least_busy`]), for a decode least busy.
+    async fn pick(
+        &self,
+        peers: &Peers,
+        tried: &[String],
+        prompt: Option<&[u32]>,
+        wait: Duration,
+    ) -> Result<Picked, Status> {
         let kind = peers.service();
-        let list = peers.wait_any(PEER_WAIT).await.ok_or_else(|| Error::NoWorker(kind.into()))?;
+        let list = peers.wait_any(wait).await.ok_or_else(|| Error::NoWorker(kind.into()))?;
         let rotation = self.next_id.load(Ordering::Relaxed) as usize;
         let cache_aware_knobs = match (&self.policy, prompt) {
             (crate::config::Policy::CacheAware(k), Some(_)) => Some(*k),
@@ -215,17 +285,26 @@ impl Router {
     }
 
     /// One attempt: start the prefill (unless the decode worker prefills
-    /// locally), open the decode stream and wait for its admission. On
-    /// refusal the prefill call is dropped (aborted).
+    /// locally) or the handover, open the decode stream and wait for its
+    /// admission. On refusal the prefill call is dropped (aborted).
     async fn attempt(
         &self,
         job: &Job,
         prompt: &[u32],
         ticket_id: &str,
         d: Picked,
-        p: Option<Picked>,
+        feed: Feed,
     ) -> Result<Dispatched, Status> {
-        let prefill = p.as_ref().map(|p| start_prefill(job, prompt, ticket_id, p.ch.clone()));
+        let continued = matches!(feed, Feed::HandOver(..));
+        // The KV's source: its call, and its (id, address, busy count).
+        let (prefill, source) = match feed {
+            Feed::Local => (None, None),
+            Feed::Prefill(p) => {
+                let call = start_prefill(job, prompt, ticket_id, p.ch.clone());
+                (Some(call), Some((p.inst.id, p.inst.grpc_addr, Some(p.busy))))
+            }
+            Feed::HandOver(call, from) => (Some(call), Some((from.clone(), from, None))),
+        };
         let dreq = dpb::GenerateRequest {
             request_id: ticket_id.to_string(),
             prompt_ids: prompt.to_vec(),
@@ -233,8 +312,9 @@ impl Router {
             max_tokens: job.max_tokens,
             stop_ids: vec![],
             ignore_eos: job.ignore_eos,
-            local_prefill: p.is_none(),
+            local_prefill: source.is_none(),
             replay_ids: job.replay.clone(),
+            continued,
         };
         // The decode client span lasts as long as the token stream.
         let (mut dreq, dspan) = telemetry::client_request(rpc::DECODE_GENERATE, dreq);
@@ -252,10 +332,9 @@ impl Router {
         .await;
         match opened {
             Ok((stream, cached_tokens)) => {
-                let prefill_addr = p.as_ref().map(|p| p.inst.grpc_addr.clone());
-                let (p_id, p_busy) = match p {
-                    Some(p) => (p.inst.id, Some(p.busy)),
-                    None => (d.inst.id.clone(), None),
+                let (p_id, prefill_addr, p_busy) = match source {
+                    Some((id, addr, busy)) => (id, Some(addr), busy),
+                    None => (d.inst.id.clone(), None, None),
                 };
                 Ok(Dispatched {
                     stream,
@@ -278,6 +357,31 @@ impl Router {
     }
 }
 
+/// After a worker of `peers`' kind was lost: while every live one is in
+/// `tried`, wait (up to `wait`) until one is not, or until a tried
+/// address takes connections again (its restarted process listens) —
+/// then it is tried again.
+async fn wait_back(peers: &Peers, tried: &mut Vec<String>, wait: Duration) {
+    let until = tokio::time::Instant::now() + wait;
+    loop {
+        let live = peers.instances();
+        if live.iter().any(|i| !tried.contains(&i.grpc_addr)) {
+            return;
+        }
+        for i in &live {
+            let probe = tokio::net::TcpStream::connect(i.grpc_addr.as_str());
+            if matches!(tokio::time::timeout(Duration::from_millis(200), probe).await, Ok(Ok(_))) {
+                tried.retain(|a| a != &i.grpc_addr);
+                return;
+            }
+        }
+        if tokio::time::Instant::now() >= until {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// An internal call carries what is left of the request's deadline
 /// (`grpc-timeout`), so the worker can refuse work that cannot finish in
 /// time and stops when the time is up.
@@ -287,6 +391,38 @@ pub fn set_deadline<T>(req: &mut tonic::Request<T>, deadline: Option<std::time::
             d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1)),
         );
     }
+}
+
+/// Where the KV of an attempt's sequence comes from.
+enum Feed {
+    /// The decode worker prefills the prompt itself.
+    Local,
+    /// A prefill worker computes the prompt and ships it.
+    Prefill(Picked),
+    /// A draining decode worker (at this address) ships the sequence it
+    /// parked: the call doing it.
+    HandOver(PrefillCall, String),
+}
+
+/// The HandOver call at a draining decode worker, on its own task with its
+/// client span, answering as a Prefill call would; the parked sequence's
+/// stream stays open until it ends (dropped, the worker frees it).
+fn start_hand_over(job: &Job, ticket_id: &str, ch: Channel, h: Handover) -> PrefillCall {
+    let req = dpb::HandOverRequest { sequence: h.sequence, request_id: ticket_id.to_string() };
+    let (mut req, span) = telemetry::client_request(rpc::DECODE_HAND_OVER, req);
+    set_deadline(&mut req, job.deadline);
+    let held = h.stream;
+    AbortOnDrop(tokio::spawn(
+        async move {
+            let r = dpb::decode_client::DecodeClient::new(ch).hand_over(req).await;
+            drop(held);
+            let r = r.map(|r| {
+                r.map(|h| ppb::PrefillResponse { kv_bytes: h.kv_bytes, transport: h.transport, ..Default::default() })
+            });
+            telemetry::finish(&tracing::Span::current(), r)
+        }
+        .instrument(span),
+    ))
 }
 
 /// The Prefill call, running on its own task with its client span.

@@ -25,6 +25,8 @@ pub enum Error {
     Tokenizer(&'static str),
     /// A decode worker ended its stream without finishing the request.
     DecodeEnded,
+    /// The request's decode worker is draining (handing it over).
+    DecodeDraining,
     /// The request's deadline passed: while doing what.
     Deadline(String),
     /// The caller went away.
@@ -43,6 +45,7 @@ impl From<Error> for Status {
             Error::AllRefused(kind) => Status::unavailable(format!("every {kind} worker refused or failed")),
             Error::Tokenizer(what) => Status::unavailable(what),
             Error::DecodeEnded => Status::unavailable("a decode worker ended the stream without finishing"),
+            Error::DecodeDraining => Status::unavailable("the request's decode worker drained"),
             Error::Deadline(m) => Status::deadline_exceeded(m),
             Error::ClientGone => Status::cancelled("client went away"),
             Error::Busy { limit } => {
@@ -81,6 +84,22 @@ fn lease_expired(e: &Status) -> Option<Status> {
     })
 }
 
+/// What the caller hears when a prompt's KV failed its checksum at the
+/// decode worker (the router transfers it again, then prefills locally).
+fn kv_corrupt(e: &Status) -> Option<Status> {
+    is_kv_corrupt(e).then(|| {
+        Status::unavailable(format!(
+            "{}: the prompt's KV failed its checksum at the decode worker",
+            pdmesh_core::vocab::KV_CORRUPT
+        ))
+    })
+}
+
+/// Whether a decode failure is a transferred KV that failed its checksum.
+pub fn is_kv_corrupt(e: &Status) -> bool {
+    e.code() == Code::Unavailable && e.message().starts_with(pdmesh_core::vocab::KV_CORRUPT)
+}
+
 /// A failed Prefill call.
 pub fn prefill_failure(e: Status) -> Status {
     if let Some(s) = lease_expired(&e) {
@@ -99,7 +118,7 @@ pub fn prefill_failure(e: Status) -> Status {
 
 /// A decode stream that failed after it admitted the request.
 pub fn decode_failure(e: Status) -> Status {
-    if let Some(s) = lease_expired(&e) {
+    if let Some(s) = lease_expired(&e).or_else(|| kv_corrupt(&e)) {
         return s;
     }
     match e.code() {
@@ -157,6 +176,7 @@ mod tests {
         assert_eq!(code(Error::AllRefused("prefill".into())), Code::Unavailable);
         assert_eq!(code(Error::Tokenizer("the tokenizer failed")), Code::Unavailable);
         assert_eq!(code(Error::DecodeEnded), Code::Unavailable);
+        assert_eq!(code(Error::DecodeDraining), Code::Unavailable);
         assert_eq!(code(Error::Deadline("x".into())), Code::DeadlineExceeded);
         assert_eq!(code(Error::ClientGone), Code::Cancelled);
         assert_eq!(code(Error::Internal("x".into())), Code::Internal);

@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 use crate::dispatch::Avoid;
 use crate::error::Error;
-use crate::relay::{Failed, Out};
+use crate::relay::{Failed, Handover, Out};
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::validate::{check_fits, fit_max_tokens, Input, Job};
 
@@ -138,8 +138,7 @@ impl Router {
         if !job.replay.is_empty() {
             self.resume(&mut out, &job.replay).await?;
         }
-        let mut avoid = Avoid::default();
-        let (mut retries, mut migrations) = (0u32, 0u32);
+        let mut tries = Tries::default();
         let mut workers = [String::new(), String::new()];
         loop {
             // A migrated request goes on from the tokens it already sent.
@@ -147,40 +146,117 @@ impl Router {
             if out.generated.len() >= job.max_tokens as usize {
                 return self.conclude(&mut out, tx, &workers).await;
             }
-            let dispatched = self.dispatch(&job_now, &prompt, ticket, &avoid).await?;
-            let (prefill, decode) = (dispatched.prefill_addr.clone(), dispatched.decode_addr.clone());
-            workers = dispatched.pair.workers.clone();
-            let (e, counter, attr_key) = match self.relay(dispatched, &mut out, tx).await {
-                Ok(()) => return Ok(()),
-                Err(Failed::Other(e)) => return Err(e),
-                Err(Failed::Migrate(e)) => {
-                    if migrations >= self.max_migrations {
-                        return Err(e);
-                    }
-                    migrations += 1;
-                    avoid.decode.push(decode);
-                    self.migrated(ticket, migrations, out.generated.len()).await;
+            let handing = tries.handover.is_some();
+            let dispatched = match self.dispatch(&job_now, &prompt, ticket, &tries.avoid, tries.handover.take()).await {
+                Ok(d) => d,
+                Err(e) if handing => {
+                    self.handover_failed(&e);
                     continue;
                 }
-                Err(Failed::Prefill(e)) => {
-                    avoid.prefill.extend(prefill);
-                    (e, &self.metrics.prefill_retries, attr::PREFILL_RETRIES)
-                }
-                Err(Failed::Decode(e)) => {
-                    avoid.decode.push(decode);
-                    (e, &self.metrics.decode_retries, attr::DECODE_RETRIES)
-                }
+                Err(e) => return Err(e),
             };
-            if retries >= self.retries {
-                return Err(e);
+            if handing {
+                self.metrics.handovers.fetch_add(1, Ordering::Relaxed);
+                tracing::Span::current().set_attribute(attr::HANDOVERS, i64::from(tries.migrations));
             }
-            retries += 1;
-            let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            self.cancel_ticket(&id, "a worker failed; retrying elsewhere").await;
-            counter.fetch_add(1, Ordering::Relaxed);
-            // The failed attempt's worker span holds the cause; this says it was retried.
-            tracing::Span::current().set_attribute(attr_key, i64::from(retries));
+            let addrs = (dispatched.prefill_addr.clone(), dispatched.decode_addr.clone());
+            workers = dispatched.pair.workers.clone();
+            let sent = out.generated.len();
+            let failed = match self.relay(dispatched, &mut out, tx).await {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
+            let handover_failed = handing && out.generated.len() == sent;
+            self.on_failed(failed, handover_failed, addrs, &mut tries, ticket, out.generated.len()).await?;
         }
+    }
+
+    /// After a failed relay: `Ok` to dispatch again (on another worker, as a
+    /// migration, as a replay of a handover that failed before a token), or
+    /// the request's error. `sent`: tokens at the caller.
+    async fn on_failed(
+        &self,
+        failed: Failed,
+        handover_failed: bool,
+        (prefill, decode): (Option<String>, String),
+        t: &mut Tries,
+        ticket: &Mutex<String>,
+        sent: usize,
+    ) -> Result<(), Status> {
+        let (e, counter, attr_key) = match failed {
+            Failed::Other(e) => return Err(e),
+            // The shipment of a handed-over sequence, or the worker taking
+            // it, failed before it sent a token: replay the tokens instead
+            // (no retry used up; a worker that died is found out then).
+            Failed::Prefill(e, _) | Failed::Decode(e, _) | Failed::Migrate(e) if handover_failed => {
+                let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                self.cancel_ticket(&id, "the handed-over sequence's KV did not arrive; replaying it").await;
+                self.handover_failed(&e);
+                return Ok(());
+            }
+            Failed::Migrate(e) => {
+                return if self.migrate(t, decode, ticket, sent).await { Ok(()) } else { Err(e) };
+            }
+            Failed::HandingOver(h) => {
+                if !self.migrate(t, decode, ticket, sent).await {
+                    return Err(Error::DecodeDraining.into());
+                }
+                t.handover = Some(*h);
+                return Ok(());
+            }
+            Failed::Prefill(e, lost) => {
+                t.avoid.prefill.extend(prefill);
+                t.avoid.lost[0] |= lost;
+                (e, &self.metrics.prefill_retries, attr::PREFILL_RETRIES)
+            }
+            // The prompt's KV failed its checksum: transfer it once more,
+            // then have a decode worker prefill it itself (no transfer left
+            // to corrupt). Not a worker's death: no worker is avoided and no
+            // retry used up.
+            Failed::Decode(e, _) if crate::error::is_kv_corrupt(&e) && t.corrupt < 2 => {
+                t.corrupt += 1;
+                t.avoid.no_transfer = t.corrupt >= 2;
+                let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                self.cancel_ticket(&id, "its KV failed the checksum; transferring again").await;
+                self.metrics.kv_corrupt_retries.fetch_add(1, Ordering::Relaxed);
+                tracing::Span::current().set_attribute(attr::KV_CORRUPT_RETRIES, i64::from(t.corrupt));
+                return Ok(());
+            }
+            Failed::Decode(e, lost) => {
+                t.avoid.decode.push(decode);
+                t.avoid.lost[1] |= lost;
+                (e, &self.metrics.decode_retries, attr::DECODE_RETRIES)
+            }
+        };
+        if t.retries >= self.retries {
+            return Err(e);
+        }
+        t.retries += 1;
+        let id = ticket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.cancel_ticket(&id, "a worker failed; retrying elsewhere").await;
+        counter.fetch_add(1, Ordering::Relaxed);
+        // The failed attempt's worker span holds the cause; this says it was retried.
+        tracing::Span::current().set_attribute(attr_key, i64::from(t.retries));
+        Ok(())
+    }
+
+    /// Move the request off decode worker `decode` (a migration), unless it
+    /// has moved `--max-migrations` times already (false).
+    async fn migrate(&self, t: &mut Tries, decode: String, ticket: &Mutex<String>, sent: usize) -> bool {
+        if t.migrations >= self.max_migrations {
+            return false;
+        }
+        t.migrations += 1;
+        t.avoid.decode.push(decode);
+        self.migrated(ticket, t.migrations, sent).await;
+        true
+    }
+
+    /// A handed-over sequence goes on by replay after all: counted, and on
+    /// the request's span with the cause.
+    fn handover_failed(&self, e: &Status) {
+        self.metrics.handover_fallbacks.fetch_add(1, Ordering::Relaxed);
+        tracing::Span::current().set_attribute(attr::HANDOVER_FAILED, e.message().to_string());
     }
 
     /// Book a migration: the lost worker's ticket cancelled, the count and
@@ -232,6 +308,19 @@ impl Router {
     pub(crate) fn fresh_request_id(&self) -> String {
         format!("req-{:x}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
     }
+}
+
+/// What a request's dispatches have met so far.
+#[derive(Default)]
+struct Tries {
+    /// Workers that failed it.
+    avoid: Avoid,
+    retries: u32,
+    migrations: u32,
+    /// Transfers whose KV failed its checksum.
+    corrupt: u32,
+    /// A draining decode worker's parked sequence, to ship to the next one.
+    handover: Option<Handover>,
 }
 
 /// The job of a request continued after `sent` tokens (a migration, or a

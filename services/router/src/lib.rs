@@ -88,6 +88,21 @@ fn render(m: &Metrics, f: Format) -> String {
         "Requests moved to another decode worker after tokens had reached the caller.",
         m.migrations.load(Ordering::Relaxed),
     );
+    t.counter(
+        metric::router::HANDOVERS_TOTAL,
+        "Migrations off a draining decode worker that ship the sequence's KV along (no replay), admitted by the next decode worker.",
+        m.handovers.load(Ordering::Relaxed),
+    );
+    t.counter(
+        metric::router::HANDOVER_FALLBACKS_TOTAL,
+        "Migrations off a draining decode worker that replayed the tokens instead: the KV shipment or its receiver failed.",
+        m.handover_fallbacks.load(Ordering::Relaxed),
+    );
+    t.counter(
+        metric::router::KV_CORRUPT_RETRIES_TOTAL,
+        "Dispatches repeated because the prompt's KV failed its checksum at the decode worker (transferred again, then prefilled there).",
+        m.kv_corrupt_retries.load(Ordering::Relaxed),
+    );
     m.outcomes.render(&mut t, metric::router::REQUESTS_TOTAL, "Finished requests by outcome.");
     t.finish()
 }
@@ -113,6 +128,7 @@ pub async fn serve(
         timeout: Duration::from_secs(config.request_timeout_s.max(1)),
         retries: config.retries,
         max_migrations: config.max_migrations,
+        worker_wait: Duration::from_millis(config.worker_wait_ms),
         max_stop: config.max_stop,
         max_in_flight: config.max_in_flight.max(1),
         policy,

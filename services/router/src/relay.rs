@@ -21,6 +21,7 @@ use crate::dispatch::{Dispatched, Pair};
 use crate::error::{decode_failure, decode_retryable, prefill_failure, prefill_retryable, Error};
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::stop::StopMatcher;
+use pdmesh_core::grpc::is_transport;
 
 fn delta(ids: Vec<u32>, text: String) -> pb::GenerateResponse {
     pb::GenerateResponse { event: Some(pb::generate_response::Event::Delta(pb::Delta { ids, text })) }
@@ -85,15 +86,33 @@ impl Out {
 /// How a relay ended short of its finish.
 pub enum Failed {
     /// The prefill failed before any token reached the caller: another
-    /// worker may still serve the request.
-    Prefill(Status),
+    /// worker may still serve the request. True: its worker was lost
+    /// (could not be reached), not merely refusing.
+    Prefill(Status, bool),
     /// The decode worker died or broke before any token reached the
-    /// caller: another dispatch may still serve the request.
-    Decode(Status),
+    /// caller: another dispatch may still serve the request. True: lost.
+    Decode(Status, bool),
     /// The decode worker died or broke after tokens reached the caller:
     /// the request may go on elsewhere from the tokens so far.
     Migrate(Status),
+    /// The decode worker is draining and holds the sequence's KV for
+    /// another one to take (see [`Handover`]).
+    HandingOver(Box<Handover>),
     Other(Status),
+}
+
+/// A sequence a draining decode worker parked, with the KV of the prompt
+/// and of every token sent but the last: it ships them (`HandOver`) into
+/// the blocks of the decode worker that continues the request.
+pub struct Handover {
+    /// The draining worker's address.
+    pub from: String,
+    /// The parked sequence there.
+    pub sequence: u64,
+    pub kv_tokens: u32,
+    /// Its stream, held open until the shipment is over (the worker's drain
+    /// waits for it; dropped, the sequence is freed there).
+    pub stream: tonic::Streaming<dpb::GenerateResponse>,
 }
 
 impl From<Status> for Failed {
@@ -105,11 +124,13 @@ impl From<Status> for Failed {
 impl Router {
     /// Relay a dispatched request's tokens to `tx` until it finishes.
     pub async fn relay(&self, d: Dispatched, out: &mut Out, tx: &Tx) -> Result<(), Failed> {
-        let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, .. } = d;
+        let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, decode_addr, .. } = d;
         // The prompt is the same on every dispatch (tokens already sent are
         // replayed, not prefilled): the latest worker's reuse counts.
         out.n_cached = cached_tokens;
         let out = &mut *out;
+        // Tokens the caller had before this dispatch (a migration's).
+        let before = out.generated.len();
         loop {
             let msg = tokio::select! {
                 m = dstream.message() => m,
@@ -121,21 +142,26 @@ impl Router {
                             continue;
                         }
                         // Its answer lost after the KV went over: the tokens flow on.
-                        Ok(Err(_)) if !out.generated.is_empty() => continue,
-                        Ok(Err(e)) if prefill_retryable(&e) => {
-                            return Err(Failed::Prefill(prefill_failure(e)))
+                        Ok(Err(_)) if out.generated.len() > before => continue,
+                        // After a migration the caller holds tokens: a
+                        // source that fails (a handover's sequence gone,
+                        // say) is never the end of the request.
+                        Ok(Err(e)) if prefill_retryable(&e) || before > 0 => {
+                            let lost = is_transport(&e);
+                            return Err(Failed::Prefill(prefill_failure(e), lost));
                         }
                         Ok(Err(e)) => return Err(Failed::Other(prefill_failure(e))),
                         Err(_) => {
                             let e = Error::Internal("its call ended without an answer".into()).into();
-                            return Err(Failed::Prefill(prefill_failure(e)));
+                            return Err(Failed::Prefill(prefill_failure(e), false));
                         }
                     }
                 }
             };
+            let lost = matches!(&msg, Err(e) if is_transport(e));
             let ev = match event(msg, &pair) {
                 Ok(ev) => ev,
-                Err(e) if out.generated.is_empty() && decode_retryable(&e) => return Err(Failed::Decode(e)),
+                Err(e) if out.generated.is_empty() && decode_retryable(&e) => return Err(Failed::Decode(e, lost)),
                 Err(e) if decode_retryable(&e) => return Err(Failed::Migrate(e)),
                 Err(e) => return Err(Failed::Other(e)),
             };
@@ -151,6 +177,15 @@ impl Router {
                     let reason = self.on_finished(out, f.reason, tx).await;
                     settle(prefill.take(), out).await;
                     return Ok(self.finish(tx, reason, out, &pair.workers).await?);
+                }
+                Some(dpb::generate_response::Event::HandingOver(h)) => {
+                    // Its KV holds the prompt and every token sent but the last.
+                    let expected = (out.n_prompt + out.n_out()).saturating_sub(1);
+                    if h.kv_tokens != expected || out.generated.is_empty() {
+                        return Err(Failed::Migrate(Error::DecodeDraining.into()));
+                    }
+                    let (from, sequence, kv_tokens) = (decode_addr, h.sequence, h.kv_tokens);
+                    return Err(Failed::HandingOver(Box::new(Handover { from, sequence, kv_tokens, stream: dstream })));
                 }
                 Some(dpb::generate_response::Event::Admitted(_)) | None => {}
             }

@@ -45,6 +45,12 @@ pub struct Metrics {
     pub decode_retries: AtomicU64,
     /// Requests moved to another decode worker after tokens had been sent.
     pub migrations: AtomicU64,
+    /// Dispatches repeated because the prompt's KV failed its checksum.
+    pub kv_corrupt_retries: AtomicU64,
+    /// Migrations whose KV a draining decode worker shipped along, and
+    /// those that replayed instead because the shipment failed.
+    pub handovers: AtomicU64,
+    pub handover_fallbacks: AtomicU64,
 }
 
 impl Metrics {
@@ -91,6 +97,8 @@ pub struct Router {
     pub timeout: Duration,
     pub retries: u32,
     pub max_migrations: u32,
+    /// `--worker-wait-ms`: how long a request waits for a live worker.
+    pub worker_wait: Duration,
     pub max_stop: usize,
     pub max_in_flight: u64,
     /// How prefill workers are picked.

@@ -195,6 +195,43 @@ async fn a_decode_worker_lost_mid_stream_hands_the_request_to_another_with_nothi
 }
 
 #[tokio::test]
+async fn a_draining_decode_worker_ships_the_kv_and_another_goes_on_with_nothing_replayed() {
+    let answer = "the stream goes on";
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
+    let decode = Script::new(vec![
+        DecodeReply::HandOverAfter { tokens: ids(answer), after: 5, ships: true },
+        DecodeReply::Serve(ids(answer)),
+    ]);
+    let s = setup(TokenizerScript::default(), prefill.clone(), 1, decode, 2, &[]).await;
+    assert_eq!(generate(&s.router, "hi", 64, None).await.unwrap(), answer);
+    let mut reqs: Vec<_> = s.decodes.iter().flat_map(|d| d.requests()).collect();
+    reqs.sort_by_key(|r| r.replay_ids.len());
+    assert_eq!(reqs.len(), 2, "{reqs:?}");
+    let second = &reqs[1];
+    assert!(second.continued && !second.local_prefill, "the KV comes from the draining worker: {second:?}");
+    assert_eq!((second.prompt_ids.clone(), second.replay_ids.clone()), (ids("hi"), ids(&answer[..5])));
+    assert_eq!(prefill.calls(), 1, "no prefill for the move");
+}
+
+#[tokio::test]
+async fn a_handover_whose_shipment_fails_is_replayed_instead() {
+    let answer = "the stream goes on";
+    let prefill = Script::new(vec![PrefillReply::Answer { first_token: 1 }]);
+    let decode = Script::new(vec![
+        DecodeReply::HandOverAfter { tokens: ids(answer), after: 5, ships: false },
+        DecodeReply::Serve(ids(answer)),
+    ]);
+    let s = setup(TokenizerScript::default(), prefill.clone(), 1, decode, 2, &[]).await;
+    let t0 = Instant::now();
+    assert_eq!(generate(&s.router, "hi", 64, None).await.unwrap(), answer);
+    assert!(t0.elapsed() < Duration::from_secs(5), "the failure is seen at once: {:?}", t0.elapsed());
+    let reqs: Vec<_> = s.decodes.iter().flat_map(|d| d.requests()).collect();
+    let last = reqs.iter().max_by_key(|r| (r.replay_ids.len(), !r.continued)).unwrap();
+    assert!(!last.continued && last.replay_ids == ids(&answer[..5]), "replayed: {reqs:?}");
+    assert_eq!(prefill.calls(), 2, "the replay's prompt is prefilled again");
+}
+
+#[tokio::test]
 async fn a_resumed_request_sends_only_what_follows_the_tokens_its_caller_has() {
     // The gateway's failover: another router was lost after "the ".
     let answer = "the stream goes on";

@@ -226,13 +226,24 @@ pub enum DecodeReply {
     DieAfter { tokens: Vec<u32>, after: usize },
     /// Admit, wait for the KV, then send nothing more.
     Stall,
+    /// Admit, wait for the KV, stream `after` tokens, then park the
+    /// sequence as a draining worker does (`HandingOver`, the stream held
+    /// open); a `HandOver` for it then "ships" its KV (posts the ticket on
+    /// the board) if `ships`, else fails NOT_FOUND.
+    HandOverAfter { tokens: Vec<u32>, after: usize, ships: bool },
 }
 
 pub struct FakeDecode {
     script: Arc<Script<DecodeReply>>,
     board: Board,
     seen: Arc<Seen>,
+    parked: Parked,
 }
+
+/// A fake decode worker's parked sequences: whether each one's shipment
+/// will succeed, by sequence id.
+#[derive(Clone, Default)]
+struct Parked(Arc<std::sync::Mutex<std::collections::HashMap<u64, bool>>>, Arc<AtomicUsize>);
 
 /// The Generate calls one fake decode worker took, in order.
 #[derive(Default)]
@@ -252,7 +263,7 @@ impl FakeDecode {
     /// Its routes and the calls it takes.
     pub fn routes(script: Arc<Script<DecodeReply>>, board: Board) -> (tonic::service::Routes, Arc<Seen>) {
         let seen = Arc::new(Seen::default());
-        let me = FakeDecode { script, board, seen: seen.clone() };
+        let me = FakeDecode { script, board, seen: seen.clone(), parked: Parked::default() };
         (tonic::service::Routes::new(dpb::decode_server::DecodeServer::new(me)), seen)
     }
 }
@@ -264,7 +275,7 @@ fn event(e: dpb::generate_response::Event) -> Result<dpb::GenerateResponse, Stat
 /// What a fake decode stream sends after admission, on `tx`.
 async fn stream(
     reply: DecodeReply,
-    board: Board,
+    (board, parked): (Board, Parked),
     req: dpb::GenerateRequest,
     tx: mpsc::Sender<Result<dpb::GenerateResponse, Status>>,
 ) {
@@ -273,14 +284,22 @@ async fn stream(
         let _ = tx.send(Err(Status::unavailable("fake decode: the KV never arrived"))).await;
         return;
     }
-    let (tokens, die_at) = match reply {
-        DecodeReply::Serve(t) => (t, None),
-        DecodeReply::DieAfter { tokens, after } => (tokens, Some(after)),
+    let (tokens, die_at, park) = match reply {
+        DecodeReply::Serve(t) => (t, None, None),
+        DecodeReply::DieAfter { tokens, after } => (tokens, Some(after), None),
+        DecodeReply::HandOverAfter { tokens, after, ships } => (tokens, Some(after), Some(ships)),
         DecodeReply::Stall | DecodeReply::Refuse(_) => return std::future::pending().await,
     };
     let from = req.replay_ids.len().min(tokens.len());
     let n = (tokens.len() - from).min((req.max_tokens as usize).saturating_sub(from).max(1));
     for (i, t) in tokens.into_iter().skip(from).take(n).enumerate() {
+        if let (Some(ships), true) = (park, die_at == Some(i)) {
+            let sequence = parked.1.fetch_add(1, Ordering::SeqCst) as u64;
+            parked.0.lock().unwrap_or_else(|e| e.into_inner()).insert(sequence, ships);
+            let kv_tokens = (req.prompt_ids.len() + from + i).saturating_sub(1) as u32;
+            let _ = tx.send(event(Event::HandingOver(dpb::HandingOver { sequence, kv_tokens }))).await;
+            return tx.closed().await;
+        }
         if die_at == Some(i) {
             let _ = tx.send(Err(Status::unavailable("fake decode: lost mid-stream"))).await;
             return;
@@ -308,12 +327,26 @@ impl dpb::decode_server::Decode for FakeDecode {
         let (tx, rx) = mpsc::channel(16);
         let admitted = dpb::Admitted { kv_blocks: 1, cached_tokens: 0 };
         let _ = tx.send(event(dpb::generate_response::Event::Admitted(admitted))).await;
-        tokio::spawn(stream(reply, self.board.clone(), req.into_inner(), tx));
+        tokio::spawn(stream(reply, (self.board.clone(), self.parked.clone()), req.into_inner(), tx));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
     async fn write_kv(&self, _: Request<Streaming<dpb::KvChunk>>) -> Result<Response<dpb::WriteKvResponse>, Status> {
         Err(Status::unimplemented("fake decode: no KV over gRPC"))
+    }
+
+    async fn hand_over(&self, req: Request<dpb::HandOverRequest>) -> Result<Response<dpb::HandOverResponse>, Status> {
+        let r = req.into_inner();
+        match self.parked.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.sequence) {
+            Some(true) => {
+                self.board.post(&r.request_id);
+                Ok(Response::new(dpb::HandOverResponse { kv_bytes: 0, transport: "fake".into() }))
+            }
+            // As a real worker answers once the sequence was freed (its
+            // park timed out): not a transient failure.
+            Some(false) => Err(Status::not_found("fake decode: scripted shipment failure")),
+            None => Err(Status::not_found(format!("fake decode: sequence {} is not parked here", r.sequence))),
+        }
     }
 
     async fn load(&self, _: Request<dpb::LoadRequest>) -> Result<Response<dpb::LoadResponse>, Status> {

@@ -17,6 +17,12 @@ pub const OVERLOAD_HEADER: &str = "x-pdmesh-overload";
 /// names it to its caller.
 pub const LEASE_EXPIRED: &str = "KV transfer lease expired";
 
+/// How a decode worker's status begins when a prompt's KV arrived with a
+/// block whose CRC-32C differs from the sender's: UNAVAILABLE, the mesh's
+/// fault; the router transfers it again once, then has the decode worker
+/// prefill the prompt itself.
+pub const KV_CORRUPT: &str = "KV arrived corrupted";
+
 pub mod metric;
 
 /// Span names (the OpenTelemetry span name is the `tracing` span name,
@@ -40,6 +46,9 @@ pub mod span {
     pub const ADMIT: &str = "admit";
     /// Decode: waiting for the prefill's KV (the ticket's watch).
     pub const AWAIT_KV: &str = "await_kv";
+    /// Decode: checking a transferred prompt's blocks against the sender's
+    /// checksums, before the first decode step.
+    pub const KV_VERIFY: &str = "kv_verify";
     /// Decode: the request's life in the running batch.
     pub const DECODE_LOOP: &str = "decode_loop";
     /// Decode: one batched engine step (links to its requests).
@@ -59,6 +68,7 @@ pub mod rpc {
     pub const PREFILL_PREFILL: &str = "pdmesh.prefill.v1.Prefill/Prefill";
     pub const DECODE_GENERATE: &str = "pdmesh.decode.v1.Decode/Generate";
     pub const DECODE_WRITE_KV: &str = "pdmesh.decode.v1.Decode/WriteKv";
+    pub const DECODE_HAND_OVER: &str = "pdmesh.decode.v1.Decode/HandOver";
     pub const KVBROKER_OPEN_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/OpenTicket";
     pub const KVBROKER_CLAIM_TICKET: &str = "pdmesh.kvbroker.v1.KvBroker/ClaimTicket";
     pub const KVBROKER_BEGIN_WRITE: &str = "pdmesh.kvbroker.v1.KvBroker/BeginWrite";
@@ -83,6 +93,7 @@ pub mod rpc {
         PREFILL_PREFILL,
         DECODE_GENERATE,
         DECODE_WRITE_KV,
+        DECODE_HAND_OVER,
         KVBROKER_OPEN_TICKET,
         KVBROKER_CLAIM_TICKET,
         KVBROKER_BEGIN_WRITE,
@@ -147,6 +158,8 @@ pub mod attr {
     pub const ROUTE_MAX_LOCAL_PREFILL: &str = "prefill.max_local_prefill";
     /// Router's Generate: dispatches repeated after a prefill failed before the first token.
     pub const PREFILL_RETRIES: &str = "router.prefill_retries";
+    /// Attempts whose transferred KV failed its checksum at the decode worker.
+    pub const KV_CORRUPT_RETRIES: &str = "router.kv_corrupt_retries";
     /// Router's Generate: dispatches repeated after a decode worker died or broke before the first token.
     pub const DECODE_RETRIES: &str = "router.decode_retries";
     /// Router: times the request moved to another decode worker mid-stream.
@@ -158,6 +171,14 @@ pub mod attr {
     pub const GATEWAY_FAILOVERS: &str = "gateway.router_failovers";
     /// Router: tokens the caller had when the request last migrated.
     pub const MIGRATED_AFTER_TOKENS: &str = "router.migrated_after_tokens";
+    /// Router: the request's migrations so far when one went off a draining
+    /// decode worker that ships the KV along.
+    pub const HANDOVERS: &str = "router.handovers";
+    /// Router: why a KV shipment off a draining decode worker failed (the
+    /// request replayed its tokens instead).
+    pub const HANDOVER_FAILED: &str = "router.handover_failed";
+    /// Router (`route`): positions of KV the draining decode worker ships.
+    pub const HANDOVER_KV_TOKENS: &str = "handover.kv_tokens";
     pub const DETOKENIZE_CALLS: &str = "detokenize.calls";
     /// Router (`detokenize`): the tokenizer was lost mid-stream and the
     /// stream replayed on a fresh one.
@@ -187,6 +208,14 @@ pub mod attr {
     pub const KV_DEST_WORKER: &str = "kv.dest_worker";
     pub const KV_WRITE_MS: &str = "kv.write_ms";
     pub const KV_GBPS: &str = "kv.gbps";
+    /// Decode: blocks checked against the sender's CRC-32C, and how long
+    /// it took (a mismatch marks the span an error that names the block).
+    pub const KV_VERIFIED_BLOCKS: &str = "kv.verified_blocks";
+    pub const KV_VERIFY_MS: &str = "kv.verify_ms";
+    /// Decode: the blocks' checksums were taken before the ticket said DONE
+    /// (off the request's path): as the NIXL write landed (how long that
+    /// took on the engine loop) or as the TCP chunks arrived (0).
+    pub const KV_VERIFIED_ON_LANDING_MS: &str = "kv.verified_on_landing_ms";
     pub const FAULT_STALL_MS: &str = "fault.stall_ms";
 
     // Decode.

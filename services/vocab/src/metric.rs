@@ -112,6 +112,9 @@ pub mod router {
     pub const PREFILL_RETRIES_TOTAL: &str = name!("router", "prefill_retries_total");
     pub const DECODE_RETRIES_TOTAL: &str = name!("router", "decode_retries_total");
     pub const MIGRATIONS_TOTAL: &str = name!("router", "migrations_total");
+    pub const HANDOVERS_TOTAL: &str = name!("router", "handovers_total");
+    pub const HANDOVER_FALLBACKS_TOTAL: &str = name!("router", "handover_fallbacks_total");
+    pub const KV_CORRUPT_RETRIES_TOTAL: &str = name!("router", "kv_corrupt_retries_total");
     pub const REQUESTS_TOTAL: &str = name!("router", "requests_total");
 }
 
@@ -162,6 +165,9 @@ pub mod decode {
     pub const LOCAL_PREFILL_TOKENS_TOTAL: &str = name!("decode", "local_prefill_tokens_total");
     pub const TICKETS_REOPENED_TOTAL: &str = name!("decode", "tickets_reopened_total");
     pub const HANDED_OVER_TOTAL: &str = name!("decode", "handed_over_total");
+    pub const HANDED_OVER_WITH_KV_TOTAL: &str = name!("decode", "handed_over_with_kv_total");
+    pub const PARKED: &str = name!("decode", "parked");
+    pub const KV_CORRUPT_TOTAL: &str = name!("decode", "kv_corrupt_total");
     pub const REQUESTS_TOTAL: &str = name!("decode", "requests_total");
     /// The prefix-cache and step-cost families.
     pub const WORKER: Worker = worker!("decode");
@@ -193,6 +199,9 @@ const OWN: &[&str] = &[
     router::PREFILL_RETRIES_TOTAL,
     router::DECODE_RETRIES_TOTAL,
     router::MIGRATIONS_TOTAL,
+    router::HANDOVERS_TOTAL,
+    router::HANDOVER_FALLBACKS_TOTAL,
+    router::KV_CORRUPT_RETRIES_TOTAL,
     router::REQUESTS_TOTAL,
     tokenizer::REQUESTS_TOTAL,
     kvbroker::TICKETS,
@@ -225,6 +234,9 @@ const OWN: &[&str] = &[
     decode::LOCAL_PREFILL_TOKENS_TOTAL,
     decode::TICKETS_REOPENED_TOTAL,
     decode::HANDED_OVER_TOTAL,
+    decode::HANDED_OVER_WITH_KV_TOTAL,
+    decode::PARKED,
+    decode::KV_CORRUPT_TOTAL,
     decode::REQUESTS_TOTAL,
 ];
 

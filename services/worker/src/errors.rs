@@ -13,7 +13,9 @@ pub fn status(e: &EngineError) -> Status {
         }
         EngineError::UnknownSequence(_) => Status::not_found(msg),
         EngineError::KvMismatch(_) => Status::failed_precondition(msg),
-        EngineError::Unavailable(_) | EngineError::DeviceLost(_) => Status::unavailable(msg),
+        EngineError::Unavailable(_) | EngineError::DeviceLost(_) | EngineError::KvCorrupt(_) => {
+            Status::unavailable(msg)
+        }
         EngineError::DeadlineExceeded(_) => Status::deadline_exceeded(msg),
         e if e.is_bad_input() => Status::invalid_argument(msg),
         _ => Status::internal(msg),

@@ -328,10 +328,20 @@ mod tests {
         router.attrs.insert(attr::MIGRATED_AFTER_TOKENS.into(), serde_json::json!(24));
         let e = explain(&spans).unwrap();
         assert!(
-            e.sentence.contains("migrated 1 time to another decode worker, the last after 24 tokens"),
+            e.sentence
+                .contains("migrated 1 time to another decode worker, the last after 24 tokens, which were replayed"),
             "{}",
             e.sentence
         );
+        // Off a draining worker that shipped the KV along; then one whose shipment failed.
+        let router = spans.iter_mut().find(|s| s.name == rpc::ROUTER_GENERATE).unwrap();
+        router.attrs.insert(attr::HANDOVERS.into(), serde_json::json!(1));
+        let e = explain(&spans).unwrap();
+        assert!(e.sentence.contains("drained mid-stream") && e.sentence.contains("shipped along"), "{}", e.sentence);
+        let router = spans.iter_mut().find(|s| s.name == rpc::ROUTER_GENERATE).unwrap();
+        router.attrs.insert(attr::HANDOVER_FAILED.into(), serde_json::json!("the ticket expired"));
+        let e = explain(&spans).unwrap();
+        assert!(e.sentence.contains("shipping their KV failed (the ticket expired)"), "{}", e.sentence);
     }
 
     fn shifted(spans: Vec<Span>, ms: u64, tag: char) -> Vec<Span> {

@@ -407,19 +407,29 @@ pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal
     out
 }
 
-/// " Migrated N times ..." when a decode worker was lost mid-stream and the
-/// router moved the request (`router.migrations` on its Generate span).
+/// " ... migrated N times ..." when a decode worker was lost or drained
+/// mid-stream and the router moved the request (`router.migrations` on its
+/// Generate span; `router.handovers` when a draining worker shipped the KV
+/// along, `router.handover_failed` when that shipment failed).
 pub fn migrations(spans: &[Span]) -> String {
     let moved = spans.iter().filter_map(|s| {
         let n = s.attr_f64(attr::MIGRATIONS)?;
         Some((n as u64, s.attr_f64(attr::MIGRATED_AFTER_TOKENS).unwrap_or(0.0) as u64))
     });
-    match moved.max() {
-        Some((n, after)) if n > 0 => format!(
-            " Its decode worker was lost mid-stream: migrated {n} time{} to another decode worker, the last after {after} tokens, which were replayed there.",
-            if n == 1 { "" } else { "s" }
+    let Some((n, after)) = moved.max().filter(|(n, _)| *n > 0) else { return String::new() };
+    let times = format!("migrated {n} time{}", if n == 1 { "" } else { "s" });
+    let failed = spans.iter().find_map(|s| s.attr_str(attr::HANDOVER_FAILED));
+    let shipped = spans.iter().any(|s| s.attr_f64(attr::HANDOVERS).is_some());
+    match (shipped, failed) {
+        (_, Some(why)) => format!(
+            " Its decode worker drained mid-stream: {times} to another decode worker, the last after {after} tokens; shipping their KV failed ({why}), so they were replayed there."
         ),
-        _ => String::new(),
+        (true, None) => format!(
+            " Its decode worker drained mid-stream: {times} to another decode worker, the last after {after} tokens, whose KV the draining worker shipped along (nothing replayed)."
+        ),
+        (false, None) => format!(
+            " Its decode worker was lost or drained mid-stream: {times} to another decode worker, the last after {after} tokens, which were replayed there."
+        ),
     }
 }
 

@@ -62,6 +62,10 @@ impl Mesh {
             .args(remote)
             .args(notice)
             .args(extra)
+            // No test request runs for minutes: a request that hangs ends at
+            // this deadline with the mesh's own error and trace id, well
+            // before a test client's 300 s read timeout (`env` may override).
+            .envs([("PDMESH_GATEWAY_REQUEST_TIMEOUT_S", "120"), ("PDMESH_ROUTER_REQUEST_TIMEOUT_S", "120")])
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -241,6 +245,9 @@ pub struct Outcome {
     pub ids: Vec<u32>,
     pub text: String,
     pub finished: Option<pb::Finished>,
+    /// The longest wait between two deltas (a migration's stall).
+    pub longest_gap: Duration,
+    last_delta: Option<Instant>,
 }
 
 pub fn chat_request(user: &str, max_tokens: u32, ignore_eos: bool) -> pb::GenerateRequest {
@@ -277,6 +284,10 @@ impl Outcome {
             Some(pb::generate_response::Event::Delta(d)) => {
                 self.ids.extend(d.ids);
                 self.text.push_str(&d.text);
+                let now = Instant::now();
+                if let Some(t) = self.last_delta.replace(now) {
+                    self.longest_gap = self.longest_gap.max(now - t);
+                }
             }
             Some(pb::generate_response::Event::Finished(f)) => self.finished = Some(f),
             None => {}

@@ -7,12 +7,15 @@
 //! - `tcp`: the prefill streams the blocks' bytes to the decode worker's
 //!   `WriteKv` RPC.
 //!
-//! [`send`] holds the prefill's side ([`send::KvTransport`]); a transfer
-//! uses NIXL when both ends have it. The decode's side is its `WriteKv`
-//! handler and the arena NIXL writes into.
+//! [`send`] holds the sending side ([`send::KvTransport`]); a transfer
+//! uses NIXL when both ends have it. [`ship`] runs a whole shipment
+//! through a ticket (claim, write, complete): a prefill worker's prompt, or
+//! a draining decode worker's sequence. The receiving side is the decode's
+//! `WriteKv` handler and the arena NIXL writes into.
 
 pub mod nixl;
 pub mod send;
+pub mod ship;
 
 use std::path::PathBuf;
 

@@ -247,22 +247,25 @@ impl Nixl {
     }
 
     /// Drive this agent's backend progress and drain its notifications (the
-    /// receiving side calls this while it expects transfers).
-    pub fn progress(&self, map: &mut NotificationMap) {
-        if self.agent.get_notifications(map, None).is_ok() {
-            let _ = map.take_notifs();
+    /// receiving side calls this while it expects transfers): the messages
+    /// of the writes that landed (each write's note is its request id).
+    pub fn progress(&self, map: &mut NotificationMap) -> Vec<String> {
+        if self.agent.get_notifications(map, None).is_err() {
+            return Vec::new();
         }
+        map.take_notifs().map(|m| m.into_values().flatten().collect()).unwrap_or_default()
     }
 }
 
 /// Poll `nixl`'s progress on a thread, every 1 ms while `busy()` says
-/// transfers are expected, else every 10 ms, until `stop` is set. Idle
-/// polls matter too: a write for a request cancelled meanwhile still
-/// lands, and its notification must be taken off the connection, or the
-/// writer's next transfers wait behind it.
+/// transfers are expected, else every 10 ms, until `stop` is set; each
+/// landed write's note goes to `landed`. Idle polls matter too: a write for
+/// a request cancelled meanwhile still lands, and its notification must be
+/// taken off the connection, or the writer's next transfers wait behind it.
 pub fn spawn_progress(
     nixl: std::sync::Arc<Nixl>,
     busy: impl Fn() -> bool + Send + 'static,
+    landed: impl Fn(&str) + Send + 'static,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) {
     std::thread::Builder::new()
@@ -270,8 +273,10 @@ pub fn spawn_progress(
         .spawn(move || {
             let Ok(mut map) = NotificationMap::new() else { return };
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                nixl.progress(&mut map);
-                std::thread::sleep(Duration::from_millis(if busy() { 1 } else { 10 }));
+                for note in nixl.progress(&mut map) {
+                    landed(&note);
+                }
+                std::thread::sleep(if busy() { Duration::from_micros(200) } else { Duration::from_millis(10) });
             }
         })
         .expect("spawn nixl progress thread");

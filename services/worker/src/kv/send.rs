@@ -21,8 +21,24 @@ use super::{layout_to_wire, Nixl};
 pub trait KvSource: Sync {
     /// The source blocks in this worker's arena, in prompt order.
     fn blocks(&self) -> &[u32];
+    /// CRC-32C of each of [`KvSource::blocks`], taken when the KV was made.
+    fn checksums(&self) -> &[u32];
     /// A copy of the prompt's KV (for transports that copy).
     async fn export_kv(&self) -> Result<KvBlob, Status>;
+    /// Fault injection: flip one byte of the last block in place; a
+    /// second call restores it.
+    async fn flip_byte(&self) -> Result<(), Status>;
+}
+
+/// A worker's transports, in order of preference: NIXL (when it loaded),
+/// then TCP in `chunk_bytes` messages.
+pub fn transports(nixl: Option<Arc<Nixl>>, layout: KvLayout, chunk_bytes: usize) -> Vec<Box<dyn KvTransport>> {
+    let mut t: Vec<Box<dyn KvTransport>> = Vec::new();
+    if let Some(nixl) = nixl {
+        t.push(Box::new(NixlTransport { nixl, layout }));
+    }
+    t.push(Box::new(TcpTransport { chunk_bytes, channels: Default::default() }));
+    t
 }
 
 /// Longest a NIXL write may run (the decode quarantines abandoned blocks for 2 s).
@@ -38,7 +54,17 @@ pub trait KvTransport: Send + Sync {
     /// returns the bytes moved.
     /// A failed write leaves the transport able to write to the worker again
     /// (NIXL loads its agent afresh once no write to it is under way).
-    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, src: &dyn KvSource) -> Result<u64, Status>;
+    async fn write(&self, w: Write<'_>) -> Result<u64, Status>;
+}
+
+/// One transfer: where to (the decode's agent and the ticket's blocks) and
+/// what (the pinned source).
+pub struct Write<'a> {
+    pub agent: &'a kpb::Agent,
+    pub ticket: &'a kpb::Ticket,
+    pub src: &'a dyn KvSource,
+    /// Fault injection: flip one byte on the way, after the checksums were taken.
+    pub corrupt: bool,
 }
 
 pub struct NixlTransport {
@@ -58,8 +84,10 @@ impl KvTransport for NixlTransport {
             && !agent.nixl_metadata.is_empty()
     }
 
-    /// Bounded by the ticket's lease and by [`MAX_WRITE_MS`].
-    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, src: &dyn KvSource) -> Result<u64, Status> {
+    /// Bounded by the ticket's lease and by [`MAX_WRITE_MS`]. Corrupted,
+    /// the source block is flipped for the write and restored after it.
+    async fn write(&self, w: Write<'_>) -> Result<u64, Status> {
+        let Write { agent, ticket, src, corrupt } = w;
         let n = src.blocks().len();
         if ticket.dest_blocks.len() < n {
             return Err(Status::failed_precondition(format!(
@@ -75,15 +103,23 @@ impl KvTransport for NixlTransport {
             )));
         }
         let nixl = self.nixl.clone();
+        let source = src;
         let (src, dst) = (src.blocks().to_vec(), ticket.dest_blocks[..n].to_vec());
         let (worker, md, remote) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), remote_arena(agent));
         let now = pdmesh_core::now_ms();
         let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
         let note = ticket.request_id.clone();
-        tokio::task::spawn_blocking(move || nixl.write(&worker, &md, remote, &src, &dst, block_bytes, &note, timeout))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::unavailable)
+        if corrupt {
+            source.flip_byte().await?;
+        }
+        let r = tokio::task::spawn_blocking(move || {
+            nixl.write(&worker, &md, remote, &src, &dst, block_bytes, &note, timeout)
+        })
+        .await;
+        if corrupt {
+            source.flip_byte().await?;
+        }
+        r.map_err(|e| Status::internal(e.to_string()))?.map_err(Status::unavailable)
     }
 }
 
@@ -112,9 +148,17 @@ impl KvTransport for TcpTransport {
         !agent.address.is_empty()
     }
 
-    /// A copy of the blocks, streamed in `chunk_bytes` messages.
-    async fn write(&self, agent: &kpb::Agent, ticket: &kpb::Ticket, src: &dyn KvSource) -> Result<u64, Status> {
-        let blob = src.export_kv().await?;
+    /// A copy of the blocks, streamed in `chunk_bytes` messages; corrupted,
+    /// one byte of the copy is flipped.
+    async fn write(&self, w: Write<'_>) -> Result<u64, Status> {
+        let Write { agent, ticket, src, corrupt } = w;
+        let mut blob = src.export_kv().await?;
+        if corrupt {
+            let last = blob.bytes.len().saturating_sub(blob.layout.block_bytes()) + 1;
+            if let Some(b) = blob.bytes.get_mut(last) {
+                *b ^= 0x40;
+            }
+        }
         let layout = layout_to_wire(&blob.layout);
         let chunks: Vec<dpb::KvChunk> = blob
             .bytes
