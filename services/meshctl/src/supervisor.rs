@@ -152,8 +152,11 @@ impl Mesh {
         Ok(v)
     }
 
+    /// Instances of `kind` that serve or will again: not draining, and not
+    /// left down (`--no-restart`, a crash loop), which `scale` replaces.
     fn live(&self, kind: &str) -> Vec<String> {
-        self.svcs.iter().filter(|s| s.kind == kind && !s.draining).map(|s| s.name.clone()).collect()
+        let serves = |s: &&Svc| s.kind == kind && !s.draining && s.gave_up.is_none();
+        self.svcs.iter().filter(serves).map(|s| s.name.clone()).collect()
     }
 
     /// Start one more instance of `kind`, gated on its health; its id.

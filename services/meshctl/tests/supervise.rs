@@ -1,6 +1,7 @@
 //! `meshctl up` as a supervisor: a crash loop is restarted with a growing
-//! backoff, then left down with the reason in `meshctl status`; and when
-//! meshctl itself is killed (even by SIGKILL) its services do not outlive it.
+//! backoff, then left down with the reason in `meshctl status`, and
+//! `meshctl scale` replaces it; and when meshctl itself is killed (even by
+//! SIGKILL) its services do not outlive it.
 // Tests unwrap: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
@@ -56,6 +57,15 @@ async fn a_crash_loop_backs_off_then_is_left_down_and_status_says_why() {
     let text = meshctl(&["status"], &["--registry-dir", &registry]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("meshctl up: router-0 down: crash loop"), "{text}");
+    // An instance left down does not count as a replica: scaling to 1
+    // starts a fresh router, and requests flow again.
+    let out = meshctl(&["scale", "router=1"], &["--registry-dir", &registry]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["started"], serde_json::json!(["router-1"]), "{v}");
+    let (_, took) = router_back(&mesh, pid).await;
+    eprintln!("router-1 serving {took:?} after meshctl scale");
+    let (code, body) = mesh.post("/v1/chat/completions", &common::chat_body("Hello", r#","max_tokens":2"#), &[]);
+    assert_eq!(code, 200, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -21,9 +21,22 @@ use tracing::Instrument;
 use crate::error::{decode_refusal, retryable, Error};
 use crate::load::{Busy, Overlap, Prompt};
 use crate::pick::{cache_aware, least_busy, prefill_mode, Branch, Candidate, Mode};
-use crate::relay::Handover;
 use crate::state::{AbortOnDrop, Router};
 use crate::validate::Job;
+
+/// A sequence a draining decode worker parked, with the KV of the prompt
+/// and of every token sent but the last: it ships them (`HandOver`) into
+/// the blocks of the decode worker that continues the request.
+pub struct Handover {
+    /// The draining worker's address.
+    pub from: String,
+    /// The parked sequence there.
+    pub sequence: u64,
+    pub kv_tokens: u32,
+    /// Its stream, held open until the shipment is over (the worker's drain
+    /// waits for it; dropped, the sequence is freed there).
+    pub stream: tonic::Streaming<dpb::GenerateResponse>,
+}
 
 /// A worker chosen for one attempt, counted as busy while held.
 pub struct Picked {

@@ -20,9 +20,9 @@ use tonic::Request;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::dispatch::Avoid;
+use crate::dispatch::{Avoid, Handover};
 use crate::error::Error;
-use crate::relay::{Failed, Handover, Out};
+use crate::relay::{Failed, Out};
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::validate::{check_fits, fit_max_tokens, Input, Job};
 

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::dispatch::{Dispatched, Pair};
+use crate::dispatch::{Dispatched, Handover, Pair};
 use crate::error::{decode_failure, decode_retryable, prefill_failure, prefill_retryable, Error};
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::stop::StopMatcher;
@@ -99,20 +99,6 @@ pub enum Failed {
     /// another one to take (see [`Handover`]).
     HandingOver(Box<Handover>),
     Other(Status),
-}
-
-/// A sequence a draining decode worker parked, with the KV of the prompt
-/// and of every token sent but the last: it ships them (`HandOver`) into
-/// the blocks of the decode worker that continues the request.
-pub struct Handover {
-    /// The draining worker's address.
-    pub from: String,
-    /// The parked sequence there.
-    pub sequence: u64,
-    pub kv_tokens: u32,
-    /// Its stream, held open until the shipment is over (the worker's drain
-    /// waits for it; dropped, the sequence is freed there).
-    pub stream: tonic::Streaming<dpb::GenerateResponse>,
 }
 
 impl From<Status> for Failed {
