@@ -86,10 +86,9 @@ impl Upstream {
     async fn fail_over(&mut self, lost: tonic::Status) -> Result<(), tonic::Status> {
         self.failovers += 1;
         let mut request = self.request.clone();
+        // All max_tokens may be here already (the router was lost before
+        // the finish): the next router then sends just the finish and usage.
         request.resume_ids = self.sent.clone();
-        if request.resume_ids.len() >= request.max_tokens as usize {
-            return Err(lost);
-        }
         let (stream, first, rpc) = call(&self.routers, &request, self.until).await.map_err(|e| e.status(lost))?;
         rpc.set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
         tracing::Span::current().set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));

@@ -53,8 +53,10 @@ pub fn validate(
     if r.max_tokens == 0 {
         return Err(bad("max_tokens must be at least 1"));
     }
-    if r.resume_ids.len() >= r.max_tokens as usize {
-        return Err(bad("resume_ids must be fewer than max_tokens: a resumed request has tokens left to generate"));
+    // As many as max_tokens: the caller lost its router after the last
+    // token but before the finish; the finish (and usage) comes at once.
+    if r.resume_ids.len() > r.max_tokens as usize {
+        return Err(bad("resume_ids must be at most max_tokens: they are tokens of this request"));
     }
     let s = r.sampling.unwrap_or_default();
     if !(0.0..=limits::MAX_TEMPERATURE).contains(&s.temperature) {
