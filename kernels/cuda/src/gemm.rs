@@ -15,7 +15,7 @@ use cudarc::cublas::sys;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::gpu::{fits, GpuError, GpuErrorKind};
+use crate::error::{fits, GpuError, GpuErrorKind};
 
 /// Bytes of cuBLAS workspace, owned here so that a graph capture never
 /// makes cuBLAS allocate (NVIDIA's advice for GEMMs inside CUDA graphs).

@@ -9,6 +9,7 @@
 //! Point `PDMESH_NVRTC_LIB` at that file, or put its folder on
 //! `LD_LIBRARY_PATH`.
 
+pub mod error;
 pub mod gemm;
 pub mod gpu;
 
