@@ -90,20 +90,18 @@ fn kv_export_import_into_another_engine_continues_identically() {
     assert_eq!(decode_to_end(&mut other.engine, sid, first.token), reference);
 }
 
+/// Seeded sampling (temperature 0.9, top-k 40, seed 11) for `max_tokens`, EOS ignored.
+fn seeded(max_tokens: usize) -> SamplingParams {
+    SamplingParams { temperature: 0.9, top_k: 40, seed: 11, max_tokens, ignore_eos: true, ..Default::default() }
+}
+
 #[test]
 fn a_replayed_sequence_goes_on_exactly_as_the_one_it_continues() {
     // A migrated request: the first 10 tokens are replayed (decode steps
     // compute their KV, as the lost worker did), then sampling goes on.
     let mut f = fixture();
     let prompt = ids(&golden()[1]["chat_ids"]);
-    let seeded = SamplingParams {
-        temperature: 0.9,
-        top_k: 40,
-        seed: 11,
-        max_tokens: 32,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let seeded = seeded(32);
     for params in [greedy(32), seeded] {
         let whole = f.engine.generate_all(std::slice::from_ref(&prompt), &params, 1).unwrap().remove(0);
         let replay = SamplingParams { replay: whole[..10].to_vec(), ..params.clone() };
@@ -131,14 +129,7 @@ fn a_sequence_handed_over_with_its_kv_goes_on_exactly_as_it_would_have() {
     // 10th with no step replaying them; greedy and seeded alike.
     let mut f = fixture();
     let prompt = ids(&golden()[1]["chat_ids"]);
-    let seeded = SamplingParams {
-        temperature: 0.9,
-        top_k: 40,
-        seed: 11,
-        max_tokens: 32,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let seeded = seeded(32);
     let mut other = load(EngineOptions { kv_blocks: 64, ..Default::default() });
     for params in [SamplingParams { ignore_eos: true, ..greedy(32) }, seeded] {
         let whole = f.engine.generate_all(std::slice::from_ref(&prompt), &params, 1).unwrap().remove(0);

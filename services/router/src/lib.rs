@@ -18,7 +18,7 @@ pub mod stop;
 mod validate;
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,36 +73,18 @@ fn render(m: &Metrics, f: Format) -> String {
         "mode",
         &m.mode_counts(),
     );
-    t.counter(
-        metric::router::PREFILL_RETRIES_TOTAL,
-        "Requests dispatched again because their prefill failed before the first token.",
-        m.prefill_retries.load(Ordering::Relaxed),
-    );
-    t.counter(
-        metric::router::DECODE_RETRIES_TOTAL,
-        "Requests dispatched again because their decode worker died or broke before the first token.",
-        m.decode_retries.load(Ordering::Relaxed),
-    );
-    t.counter(
-        metric::router::MIGRATIONS_TOTAL,
-        "Requests moved to another decode worker after tokens had reached the caller.",
-        m.migrations.load(Ordering::Relaxed),
-    );
-    t.counter(
-        metric::router::HANDOVERS_TOTAL,
-        "Migrations off a draining decode worker that ship the sequence's KV along (no replay), admitted by the next decode worker.",
-        m.handovers.load(Ordering::Relaxed),
-    );
-    t.counter(
-        metric::router::HANDOVER_FALLBACKS_TOTAL,
-        "Migrations off a draining decode worker that replayed the tokens instead: the KV shipment or its receiver failed.",
-        m.handover_fallbacks.load(Ordering::Relaxed),
-    );
-    t.counter(
-        metric::router::KV_CORRUPT_RETRIES_TOTAL,
-        "Dispatches repeated because the prompt's KV failed its checksum at the decode worker (transferred again, then prefilled there).",
-        m.kv_corrupt_retries.load(Ordering::Relaxed),
-    );
+    // The retry and migration counters: (name, help, value).
+    let counters: [(&str, &str, &AtomicU64); 6] = [
+        (metric::router::PREFILL_RETRIES_TOTAL, "Requests dispatched again because their prefill failed before the first token.", &m.prefill_retries),
+        (metric::router::DECODE_RETRIES_TOTAL, "Requests dispatched again because their decode worker died or broke before the first token.", &m.decode_retries),
+        (metric::router::MIGRATIONS_TOTAL, "Requests moved to another decode worker after tokens had reached the caller.", &m.migrations),
+        (metric::router::HANDOVERS_TOTAL, "Migrations off a draining decode worker that ship the sequence's KV along (no replay), admitted by the next decode worker.", &m.handovers),
+        (metric::router::HANDOVER_FALLBACKS_TOTAL, "Migrations off a draining decode worker that replayed the tokens instead: the KV shipment or its receiver failed.", &m.handover_fallbacks),
+        (metric::router::KV_CORRUPT_RETRIES_TOTAL, "Dispatches repeated because the prompt's KV failed its checksum at the decode worker (transferred again, then prefilled there).", &m.kv_corrupt_retries),
+    ];
+    for (name, help, value) in counters {
+        t.counter(name, help, value.load(Ordering::Relaxed));
+    }
     m.outcomes.render(&mut t, metric::router::REQUESTS_TOTAL, "Finished requests by outcome.");
     t.finish()
 }
