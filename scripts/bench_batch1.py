@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Batch-1 decode and prefill 512, pdmesh-engine bench against llama-bench,
 interleaved (llama.cpp, pdmesh, llama.cpp, ...), same GGUF, same threads.
+Batch 1 is measured at two context depths: from an empty context
+(llama-bench tg128, pdmesh --decode-prompt 1) and from 128 tokens
+(llama-bench tg128 -d 128, pdmesh --decode-prompt 128).
 Prints one JSON line per run and a summary with the ratios (issue 30's
 report: docs/benchmarks/engine-batch1-<date>.md).
 
@@ -32,20 +35,27 @@ def cpu_flags():
 
 
 def llama(bench, model, threads):
-    out = subprocess.run([bench, "-m", model, "-t", str(threads), "-p", "512", "-n", "128", "-r", "3", "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == 512 and r["n_gen"] == 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == 128 and r["n_prompt"] == 0)
-    return {"prefill_512": pp, "batch_1": tg}
+    def run(*args):
+        out = subprocess.run([bench, "-m", model, "-t", str(threads), "-r", "3", "-o", "json", *args],
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+    pp = run("-p", "512", "-n", "0")[0]["avg_ts"]
+    tg = {r["n_depth"]: r["avg_ts"] for r in run("-p", "0", "-n", "128", "-d", "0,128")}
+    return {"prefill_512": pp, "batch_1": tg[0], "batch_1_depth_128": tg[128]}
 
 
 def pdmesh(threads, kernels):
     env = dict(os.environ, PDMESH_KERNELS=kernels)
-    out = subprocess.run([ENGINE, "bench", "--threads", str(threads), "--batches", "1", "--steps", "128",
-                          "--prefill-tokens", "512"], capture_output=True, text=True, check=True, env=env).stdout
-    v = json.loads(out)
+
+    def run(prefill, depth):
+        out = subprocess.run([ENGINE, "bench", "--threads", str(threads), "--batches", "1", "--steps", "128",
+                              "--prefill-tokens", str(prefill), "--decode-prompt", str(depth)],
+                             capture_output=True, text=True, check=True, env=env).stdout
+        return json.loads(out)
+    v = run(512, 1)
+    deep = run(32, 128)
     return {"prefill_512": v["prefill_tokens_per_s"], "batch_1": v["decode"][0]["tokens_per_s"],
+            "batch_1_depth_128": deep["decode"][0]["tokens_per_s"],
             "backend": v["backend"], "kernel_batch_1": dict(v["kernels"]).get(1),
             "read_gb_per_s": v["read_gb_per_s"], "share_of_floor": v["batch1_share_of_floor"]}
 
@@ -59,7 +69,7 @@ def main():
     ap.add_argument("--label", default="")
     a = ap.parse_args()
     model = subprocess.run([ENGINE, "fetch"], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    ratios = {"batch_1": [], "prefill_512": []}
+    ratios = {"batch_1": [], "batch_1_depth_128": [], "prefill_512": []}
     for r in range(a.rounds):
         ll = llama(a.llama_bench, model, a.threads)
         print(json.dumps({"round": r, "engine": "llama.cpp", **ll}), flush=True)

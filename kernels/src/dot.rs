@@ -225,6 +225,97 @@ pub mod avx2 {
         out
     }
 
+    /// Four weight rows against one activation row (batch-1 decode), with
+    /// the scales of all four rows converted and scaled at once and the
+    /// rows unpacked in pairs, one row per 128-bit half: `lo[p]` holds rows
+    /// `2p` and `2p + 1`'s lanes 0-3 (the low nibbles), `hi[p]` their lanes
+    /// 4-7. Each lane is the same FMA chain as in [`dot_q4_1`], only kept in
+    /// another register, so the results are bit-identical to it.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `xs[0]` at least as long as each `w[r]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_rows4(w: [&[BlockQ4_1]; 4], xs: [&[BlockQ8]; 1]) -> [[f32; 1]; 4] {
+        let lowmask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        // Where each pair's two `d * y.d` sit in [d0 m0 d1 m1 d2 m2 d3 m3] * [yd ys ..].
+        let pick = [_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)];
+        let mut lo = [_mm256_setzero_ps(); 2];
+        let mut hi = [_mm256_setzero_ps(); 2];
+        // Odd lanes: each row's running sum of m * y.s.
+        let mut summs = _mm256_setzero_ps();
+        let nb = w[0].len();
+        for i in 0..nb {
+            let b: [&BlockQ4_1; 4] = std::array::from_fn(|r| w[r].get_unchecked(i));
+            let y = xs[0].get_unchecked(i);
+            // d and m are a block's first four bytes.
+            let word = |r: usize| (b[r] as *const BlockQ4_1 as *const i32).read_unaligned();
+            let dm = _mm256_cvtph_ps(_mm_setr_epi32(word(0), word(1), word(2), word(3)));
+            // y.d and y.s are adjacent f32s: [yd ys yd ys ..].
+            let yds = _mm256_castpd_ps(_mm256_broadcast_sd(&*(y as *const BlockQ8 as *const f64)));
+            let scaled = _mm256_mul_ps(dm, yds);
+            summs = _mm256_add_ps(summs, scaled);
+            let ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128(y.qs.as_ptr() as *const __m128i));
+            let yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(y.qs.as_ptr().add(16) as *const __m128i));
+            for p in 0..2 {
+                let q = _mm256_loadu2_m128i(
+                    b[2 * p + 1].qs.as_ptr() as *const __m128i,
+                    b[2 * p].qs.as_ptr() as *const __m128i,
+                );
+                let ql = _mm256_and_si256(q, lowmask);
+                let qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), lowmask);
+                let sc = _mm256_permutevar8x32_ps(scaled, pick[p]);
+                let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(ql, ylo), ones);
+                let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(qh, yhi), ones);
+                lo[p] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(pl), lo[p]);
+                hi[p] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(ph), hi[p]);
+            }
+        }
+        let mut sm = [0f32; 8];
+        _mm256_storeu_ps(sm.as_mut_ptr(), summs);
+        let mut out = [[0f32; 1]; 4];
+        for p in 0..2 {
+            // [l4+l0 .. l7+l3] of both rows: `hsum`'s first step, lanes commuted.
+            let t = _mm256_add_ps(hi[p], lo[p]);
+            for (h, s) in [_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)].into_iter().enumerate() {
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+                let r = 2 * p + h;
+                out[r][0] = _mm_cvtss_f32(s) + sm[2 * r + 1];
+            }
+        }
+        out
+    }
+
+    /// Four Q8_0 weight rows against one activation row, the four scales
+    /// converted and scaled at once; otherwise [`dot_q8_0`] (bit-identical).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `xs[0]` at least as long as each `w[r]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0_rows4(w: [&[BlockQ8_0]; 4], xs: [&[BlockQ8]; 1]) -> [[f32; 1]; 4] {
+        let ones = _mm256_set1_epi16(1);
+        let pick: [__m256i; 4] = std::array::from_fn(|r| _mm256_set1_epi32(r as i32));
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let nb = w[0].len();
+        for i in 0..nb {
+            let b: [&BlockQ8_0; 4] = std::array::from_fn(|r| w[r].get_unchecked(i));
+            let y = xs[0].get_unchecked(i);
+            let d =
+                _mm_cvtph_ps(_mm_setr_epi16(b[0].d as i16, b[1].d as i16, b[2].d as i16, b[3].d as i16, 0, 0, 0, 0));
+            let scaled = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(y.d)));
+            let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+            for r in 0..4 {
+                let wq = _mm256_loadu_si256(b[r].qs.as_ptr() as *const __m256i);
+                let p =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(yq, wq)), ones);
+                let sc = _mm256_permutevar8x32_ps(scaled, pick[r]);
+                acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[r]);
+            }
+        }
+        acc.map(|a| [hsum(a)])
+    }
+
     /// Quantize 32-value blocks to [`BlockQ8`], bit-identical to
     /// [`crate::quant::quantize_q8`] (and to GGML's AVX2 `quantize_row_q8_1`).
     ///
@@ -414,7 +505,7 @@ pub mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{quantize_q4_1, quantize_q8, quantize_q8_0, BlockQ8};
+    use crate::quant::{quantize_q4_1, quantize_q8, quantize_q8_0, BlockQ4_1, BlockQ8};
     use crate::testutil::Rng;
 
     #[test]
@@ -468,6 +559,52 @@ mod tests {
             unsafe { avx2::quantize_q8(&xf, &mut qv) };
             for (p, q) in qs.iter().zip(&qv) {
                 assert_eq!((p.d.to_bits(), p.s.to_bits(), p.qs), (q.d.to_bits(), q.s.to_bits(), q.qs));
+            }
+        }
+    }
+
+    /// The four-row batch-1 kernels give each row's single-row bits.
+    #[test]
+    fn avx2_four_row_kernels_match_the_single_row_kernels() {
+        if !Backend::Avx2.runs_here() {
+            eprintln!("SKIPPED: this CPU has no AVX2/FMA/F16C; only the scalar reference runs");
+            return;
+        }
+        let mut rng = Rng::new(13);
+        for nb in [1usize, 2, 18, 48] {
+            let w: Vec<Vec<f32>> = (0..4).map(|_| rng.normal_vec(nb * QK)).collect();
+            let w41: Vec<Vec<BlockQ4_1>> = w
+                .iter()
+                .map(|w| {
+                    let mut q = vec![BlockQ4_1::default(); nb];
+                    quantize_q4_1(w, &mut q);
+                    q
+                })
+                .collect();
+            let w80: Vec<Vec<crate::quant::BlockQ8_0>> = w
+                .iter()
+                .map(|w| {
+                    let mut q = vec![crate::quant::BlockQ8_0 { d: 0, qs: [0; QK] }; nb];
+                    quantize_q8_0(w, &mut q);
+                    q
+                })
+                .collect();
+            let mut x = vec![BlockQ8::default(); nb];
+            quantize_q8(&rng.normal_vec(nb * QK), &mut x);
+            let xs = [&x[..]];
+            // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
+            let (f41, f80) = unsafe {
+                (
+                    avx2::dot_q4_1_rows4(std::array::from_fn(|r| &w41[r][..]), xs),
+                    avx2::dot_q8_0_rows4(std::array::from_fn(|r| &w80[r][..]), xs),
+                )
+            };
+            for r in 0..4 {
+                // SAFETY: as above.
+                let (o41, o80) = unsafe { (avx2::dot_q4_1([&w41[r][..]], xs), avx2::dot_q8_0([&w80[r][..]], xs)) };
+                assert_eq!(f41[r][0].to_bits(), o41[0][0].to_bits(), "q4_1 nb={nb} row {r}");
+                assert_eq!(f80[r][0].to_bits(), o80[0][0].to_bits(), "q8_0 nb={nb} row {r}");
+                assert_eq!(o41[0][0].to_bits(), scalar::dot_q4_1(&w41[r], xs)[0].to_bits());
             }
         }
     }

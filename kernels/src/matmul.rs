@@ -109,7 +109,7 @@ pub fn kernel_for(be: Backend, columns: usize) -> &'static str {
     match (be, columns) {
         (Backend::Avx512, 1) => "avx512-vnni pairs: 4 weight rows x 1 column per call",
         (Backend::Avx512, _) => "avx512-vnni pairs: 4 weight rows x 8 columns per call",
-        (Backend::Avx2, 1) => "avx2: 4 weight rows x 1 column per call",
+        (Backend::Avx2, 1) => "avx2 rows4: 4 weight rows x 1 column per call, their scales in one vector",
         (Backend::Avx2, _) => "avx2: 2 weight rows x 4 columns per call",
         (Backend::Scalar, _) => "scalar: 1 weight row x 1 column",
     }
@@ -223,10 +223,12 @@ unsafe fn dot_rows_into(
     }
     match (be, w.data) {
         // A product with one activation row (batch-1 decode) has its own
-        // path: pairs of weight rows, 4 per call (1.13-1.20x the AVX2
-        // single-row kernel on a Sapphire Rapids VM; the same bits).
+        // path, 4 weight rows per call: on AVX-512 the VNNI pair kernel
+        // (1.13-1.20x the AVX2 single-row kernel on a Sapphire Rapids VM),
+        // on AVX2 the four-row kernels (scales of all four rows converted
+        // at once). The same bits either way.
         #[cfg(target_arch = "x86_64")]
-        (Backend::Avx512, _) if x.rows == 1 => single_column_avx512(w, r0, r1, x, dst),
+        (Backend::Avx512 | Backend::Avx2, _) if x.rows == 1 => single_column(be, w, r0, r1, x, dst),
         // Leftover single columns of a batch stay on the AVX2 kernel.
         #[cfg(target_arch = "x86_64")]
         (Backend::Avx512, QData::Q4_1(blocks)) => {
@@ -253,24 +255,25 @@ unsafe fn dot_rows_into(
     }
 }
 
-/// [`dot_rows_into`] for a product with one activation row on AVX-512:
-/// weight rows `r0..r1` four at a time through the pair kernel, leftovers
-/// one by one with the AVX2 kernel (bit-identical).
+/// [`dot_rows_into`] for a product with one activation row (batch-1
+/// decode): weight rows `r0..r1` four at a time through the backend's
+/// four-row kernel, leftovers one by one with the AVX2 kernel
+/// (bit-identical).
 ///
 /// # Safety
-/// As [`dot_rows_into`]; the CPU must run [`Backend::Avx512`].
+/// As [`dot_rows_into`]; the CPU must run `be` (AVX2 or better).
 #[cfg(target_arch = "x86_64")]
 #[inline(never)]
-unsafe fn single_column_avx512(w: &QMatrix<'_>, r0: usize, r1: usize, x: &QActs, dst: SyncPtr<f32>) {
+unsafe fn single_column(be: Backend, w: &QMatrix<'_>, r0: usize, r1: usize, x: &QActs, dst: SyncPtr<f32>) {
     let nb = w.blocks_per_row();
     macro_rules! run {
-        ($pairs:path, $one:path, $blocks:expr) => {{
+        ($four:path, $one:path, $blocks:expr) => {{
             let xs = [x.row(0)];
             let mut r = r0;
             while r + 4 <= r1 {
                 let rows: [_; 4] = std::array::from_fn(|i| &$blocks[(r + i) * nb..(r + i + 1) * nb]);
                 prefetch_rows($blocks, (r + 4) * nb, 4 * nb);
-                let v = $pairs(rows, xs);
+                let v = $four(rows, xs);
                 for (i, vi) in v.iter().enumerate() {
                     *dst.0.add(r + i) = vi[0];
                 }
@@ -281,15 +284,13 @@ unsafe fn single_column_avx512(w: &QMatrix<'_>, r0: usize, r1: usize, x: &QActs,
             }
         }};
     }
-    match w.data {
-        QData::Q4_1(blocks) => {
-            use dot::{avx2::dot_q4_1 as one, avx512::dot_pairs};
-            run!(dot_pairs::<BlockQ4_1, 4, 1>, one, blocks)
-        }
-        QData::Q8_0(blocks) => {
-            use dot::{avx2::dot_q8_0 as one, avx512::dot_pairs};
-            run!(dot_pairs::<BlockQ8_0, 4, 1>, one, blocks)
-        }
+    use dot::avx2::{dot_q4_1, dot_q4_1_rows4, dot_q8_0, dot_q8_0_rows4};
+    use dot::avx512::dot_pairs;
+    match (be, w.data) {
+        (Backend::Avx512, QData::Q4_1(blocks)) => run!(dot_pairs::<BlockQ4_1, 4, 1>, dot_q4_1, blocks),
+        (Backend::Avx512, QData::Q8_0(blocks)) => run!(dot_pairs::<BlockQ8_0, 4, 1>, dot_q8_0, blocks),
+        (_, QData::Q4_1(blocks)) => run!(dot_q4_1_rows4, dot_q4_1, blocks),
+        (_, QData::Q8_0(blocks)) => run!(dot_q8_0_rows4, dot_q8_0, blocks),
     }
 }
 

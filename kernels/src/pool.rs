@@ -37,6 +37,9 @@ struct Shared {
     shutdown: AtomicBool,
     sleep_lock: Mutex<()>,
     wake: Condvar,
+    /// Workers parked (or about to park) on `wake`: `run` signals the
+    /// condition variable, a system call, only when this is not zero.
+    sleepers: AtomicUsize,
     /// Each worker's kernel thread id, once it has started (Linux only).
     os_ids: Mutex<Vec<u32>>,
 }
@@ -66,6 +69,7 @@ impl Pool {
             shutdown: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
             os_ids: Mutex::new(Vec::new()),
         });
         let workers = (1..threads)
@@ -119,8 +123,10 @@ impl Pool {
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
         s.busy.store(self.workers.len(), Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
-        s.epoch.fetch_add(1, Ordering::Release);
-        {
+        // SeqCst pairs with the worker's `sleepers` increment and epoch
+        // re-check: either it sees the new epoch, or this sees it asleep.
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) != 0 {
             let _l = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
@@ -176,9 +182,13 @@ fn worker_loop(s: &Shared) {
                 std::hint::spin_loop();
             } else {
                 let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-                if s.epoch.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Acquire) {
+                s.sleepers.fetch_add(1, Ordering::SeqCst);
+                if s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::Acquire) {
                     drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
+                } else {
+                    drop(guard);
                 }
+                s.sleepers.fetch_sub(1, Ordering::SeqCst);
             }
         }
         let job = *s.job.lock().unwrap_or_else(|e| e.into_inner());

@@ -99,6 +99,7 @@ pub fn run(
     prefill_len: usize,
     batches: &[usize],
     steps: usize,
+    decode_prompt: usize,
 ) -> Result<BenchReport> {
     let params = SamplingParams { max_tokens: steps + 2, ignore_eos: true, ..Default::default() };
     // Prefill: one prompt of `prefill_len` tokens, median of 3 (after a warm-up).
@@ -115,7 +116,7 @@ pub fn run(
     }
     let prefill_s = median(&mut runs.clone());
 
-    let decode_prompt = 128;
+    let decode_prompt = decode_prompt.max(1);
     let mut decode = Vec::new();
     let mut kv_peak = 0usize;
     for &b in batches {

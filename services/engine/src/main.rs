@@ -108,6 +108,11 @@ enum Cmd {
         /// Timed decode steps per batch size.
         #[arg(long, default_value_t = 32)]
         steps: usize,
+        /// Prompt tokens each decoded sequence starts from (at least 1): 128
+        /// is llama-batched-bench's shape; 1 is llama-bench's `tg`, which
+        /// decodes from an empty context.
+        #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+        decode_prompt: u64,
     },
     /// Fetch the default model into the cache (if missing) and print its path.
     Fetch {
@@ -189,12 +194,12 @@ fn run(cli: Cli) -> Result<(), EngineError> {
             let out = eng.generated(id)?.to_vec();
             println!("{}", serde_json::json!({ "ids": out, "text": tok.decode(&out, false), "finish_reason": finish }));
         }
-        Cmd::Bench { model, engine, prefill_tokens, batches, steps } => {
+        Cmd::Bench { model, engine, prefill_tokens, batches, steps, decode_prompt } => {
             let (m, g) = Model::load(&model_path(&model)?)?;
             let tok = Tokenizer::from_gguf(&g)?;
             drop(g);
             let mut eng = Engine::new(m.with_dump_dir(engine.debug_dump_dir.clone()), engine_options(&engine))?;
-            let report = bench::run(&mut eng, &tok, prefill_tokens, &batches, steps)?;
+            let report = bench::run(&mut eng, &tok, prefill_tokens, &batches, steps, decode_prompt as usize)?;
             println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
         }
     }
