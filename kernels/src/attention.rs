@@ -106,8 +106,111 @@ fn softmax_in_order(be: Backend, x: &mut [f32]) {
 
 /// Convert f16 bit patterns to f32 (hardware F16C where the CPU has it).
 pub fn f16_to_f32_slice(src: &[half::f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if f16c() {
+        // SAFETY: the CPU has AVX2 and F16C; the lengths are equal.
+        return unsafe { f16c::to_f32(src, dst) };
+    }
     use half::slice::HalfFloatSliceExt;
     src.convert_to_f32_slice(dst);
+}
+
+/// Convert `rows` rows of `width` f16 values (`src[s * width + d]`) to f32
+/// columns: `dst[d * stride + col0 + s]` (values transposed for attention,
+/// one row per cached position).
+pub fn f16_rows_to_f32_columns(src: &[half::f16], width: usize, dst: &mut [f32], stride: usize, col0: usize) {
+    assert_eq!(src.len() % width, 0);
+    let rows = src.len() / width;
+    assert!(col0 + rows <= stride && dst.len() >= (width - 1) * stride + col0 + rows);
+    let mut s0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if f16c() && width % 8 == 0 {
+        s0 = rows - rows % 8;
+        // SAFETY: the CPU has AVX2 and F16C; the bounds were checked above.
+        unsafe { f16c::transpose8(&src[..s0 * width], width, dst, stride, col0) };
+    }
+    for s in s0..rows {
+        for (d, v) in src[s * width..(s + 1) * width].iter().enumerate() {
+            dst[d * stride + col0 + s] = v.to_f32();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn f16c() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX2 and F16C; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn to_f32(src: &[half::f16], dst: &mut [f32]) {
+        let n8 = src.len() - src.len() % 8;
+        let (s, d) = (src.as_ptr() as *const u16, dst.as_mut_ptr());
+        for i in (0..n8).step_by(8) {
+            _mm256_storeu_ps(d.add(i), _mm256_cvtph_ps(_mm_loadu_si128(s.add(i) as *const __m128i)));
+        }
+        for i in n8..src.len() {
+            dst[i] = src[i].to_f32();
+        }
+    }
+
+    /// Whole groups of 8 rows, 8x8 tiles converted and transposed in registers.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `src.len()` a multiple of `8 * width`, `width` of 8,
+    /// and `dst` long enough for every column written.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn transpose8(src: &[half::f16], width: usize, dst: &mut [f32], stride: usize, col0: usize) {
+        let rows = src.len() / width;
+        let (s, d) = (src.as_ptr() as *const u16, dst.as_mut_ptr());
+        for r0 in (0..rows).step_by(8) {
+            for c0 in (0..width).step_by(8) {
+                let v: [__m256; 8] = std::array::from_fn(|k| {
+                    _mm256_cvtph_ps(_mm_loadu_si128(s.add((r0 + k) * width + c0) as *const __m128i))
+                });
+                for (k, col) in transpose(v).into_iter().enumerate() {
+                    _mm256_storeu_ps(d.add((c0 + k) * stride + col0 + r0), col);
+                }
+            }
+        }
+    }
+
+    /// 8x8 transpose: `out[j][i] = v[i][j]`.
+    #[inline(always)]
+    unsafe fn transpose(v: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+        let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+        let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+        let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+        let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+        let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
 }
 
 /// Convert f32 to f16 (round to nearest even).
@@ -157,6 +260,31 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The transposing conversion puts every value where the scalar loop
+    /// does, for row counts with and without a remainder of 8.
+    #[test]
+    fn f16_rows_to_columns_transposes() {
+        let mut rng = Rng::new(4);
+        for (rows, width) in [(16usize, 64usize), (13, 64), (5, 8), (9, 24)] {
+            let src: Vec<half::f16> = rng.normal_vec(rows * width).into_iter().map(half::f16::from_f32).collect();
+            let (stride, col0) = (rows + 7, 3);
+            let mut dst = vec![f32::NAN; width * stride];
+            f16_rows_to_f32_columns(&src, width, &mut dst, stride, col0);
+            for s in 0..rows {
+                for d in 0..width {
+                    assert_eq!(dst[d * stride + col0 + s], src[s * width + d].to_f32(), "rows {rows} s {s} d {d}");
+                }
+            }
+            let untouched = (0..width).flat_map(|d| (0..stride).map(move |c| (d, c)));
+            for (d, c) in untouched.filter(|&(_, c)| c < col0 || c >= col0 + rows) {
+                assert!(dst[d * stride + c].is_nan(), "wrote outside the columns: d {d} c {c}");
+            }
+            let mut flat = vec![0f32; rows * width];
+            f16_to_f32_slice(&src, &mut flat);
+            assert!(flat.iter().zip(&src).all(|(a, b)| *a == b.to_f32()));
         }
     }
 

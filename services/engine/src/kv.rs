@@ -340,15 +340,8 @@ impl KvCache {
     ) {
         let l = self.layout;
         assert!(n <= stride && dst.len() >= l.head_dim * stride);
-        let mut tmp = vec![0f32; l.block_size * l.head_dim];
         self.for_each_run(blocks, layer, kv, head, n, |pos, run| {
-            let tmp = &mut tmp[..run.len()];
-            pdmesh_kernels::attention::f16_to_f32_slice(run, tmp);
-            for (s, row) in tmp.chunks_exact(l.head_dim).enumerate() {
-                for (d, v) in row.iter().enumerate() {
-                    dst[d * stride + pos + s] = *v;
-                }
-            }
+            pdmesh_kernels::attention::f16_rows_to_f32_columns(run, l.head_dim, dst, stride, pos);
         });
         for d in 0..l.head_dim {
             dst[d * stride + n..(d + 1) * stride].fill(0.0);
