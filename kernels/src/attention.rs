@@ -125,7 +125,7 @@ pub fn f16_rows_to_f32_columns(src: &[half::f16], width: usize, dst: &mut [f32],
     assert!(col0 + rows <= stride && dst.len() >= (width - 1) * stride + col0 + rows);
     let mut s0 = 0;
     #[cfg(target_arch = "x86_64")]
-    if f16c() && width % 8 == 0 {
+    if f16c() && width.is_multiple_of(8) {
         s0 = rows - rows % 8;
         // SAFETY: the CPU has AVX2 and F16C; the bounds were checked above.
         unsafe { f16c::transpose8(&src[..s0 * width], width, dst, stride, col0) };
