@@ -78,3 +78,27 @@ async fn watch_sees_instances_come_and_go() {
     assert!(ok, "watch never saw the instance leave");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A drain removes the entry for good: a heartbeat that was already under
+/// way when the drain began must not write it back (it did, now and then:
+/// the drained instance was listed healthy again for a whole TTL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_entry_never_comes_back() {
+    let dir = tmpdir("drain-race");
+    // A beat every 10 ms, so that drains land on beats in flight.
+    let reg = FileRegistry::new(&dir, Duration::from_millis(30));
+    let mut back = 0;
+    for i in 0..300u64 {
+        let mut r = reg.register(inst("prefill", "p-0", 1000)).await.unwrap();
+        // Spread the drains over a beat period.
+        tokio::time::sleep(Duration::from_micros(10_000 + (i * 37) % 10_000)).await;
+        r.drain().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        if !reg.healthy("prefill").await.unwrap().is_empty() {
+            back += 1;
+        }
+        r.deregister().await.unwrap();
+    }
+    assert_eq!(back, 0, "a drained entry was listed again in {back} of 300 drains");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -222,3 +222,51 @@ async fn with_no_prefill_worker_left_the_decode_worker_prefills_any_prompt() {
     assert_eq!(modes(&mesh).await, (1.0, 0.0), "the {n}-token prompt was prefilled by the decode worker");
     mesh.assert_released(Duration::from_secs(10)).await;
 }
+
+/// A registry can list a prefill worker that is gone (an entry within its
+/// TTL, a watch that lags): the router finds out by calling it, and the
+/// request is answered by the decode worker within seconds, never left
+/// waiting. The entry is written back, fresh, for as long as the request runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prefill_listed_after_it_exited_costs_seconds_not_a_hang() {
+    let mesh = Mesh::up(&["--max-local-prefill", "1", "--no-restart"]);
+    let dir = mesh.dir.join("registry").join("prefill");
+    let entries = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).map(|e| e.path());
+    let file = entries.into_iter().find(|p| p.extension().is_some_and(|x| x == "json")).unwrap();
+    let saved: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let pid = mesh.pid("prefill").await;
+    // SAFETY: kill(2) on a mesh child process (it deregisters and exits).
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    let exited = pdmesh_testkit::eventually_async(Duration::from_secs(30), || async { !common::alive(pid) }).await;
+    assert!(exited, "the prefill worker did not exit");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (d2, f2) = (done.clone(), file.clone());
+    let ghost = std::thread::spawn(move || {
+        while !d2.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut v = saved.clone();
+            v["heartbeat_unix_ms"] = serde_json::json!(pdmesh_core::now_ms());
+            std::fs::write(&f2, serde_json::to_vec(&v).unwrap()).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = std::fs::remove_file(&f2);
+    });
+    let listed = pdmesh_testkit::eventually_async(Duration::from_secs(5), || async {
+        !mesh.registry().healthy("prefill").await.unwrap_or_default().is_empty()
+    })
+    .await;
+    assert!(listed, "the gone prefill worker is listed again");
+    tokio::time::sleep(Duration::from_millis(700)).await; // the router's registry poll (300 ms), and margin
+    let t0 = std::time::Instant::now();
+    let (n, _) = usage(&mesh, &long_prompt("Log 4"));
+    let took = t0.elapsed();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    ghost.join().unwrap();
+    assert!(n > 64);
+    assert!(took < Duration::from_secs(15), "answered in {took:?}");
+    let retries = total(&mesh, "router", "pdmesh_router_prefill_retries_total").await;
+    assert!(retries >= 1.0, "the router called the listed prefill worker first ({retries} retries)");
+    assert_eq!(modes(&mesh).await.0, 1.0, "the prompt was prefilled by the decode worker");
+    mesh.assert_released(Duration::from_secs(10)).await;
+}

@@ -69,15 +69,24 @@ impl FileRegistry {
     }
 }
 
-/// Removing the entry file both drains and deregisters.
-struct EntryFile(PathBuf);
+/// Removing the entry file both drains and deregisters. The flag, set
+/// under its lock before the file goes, is what the heartbeat checks under
+/// the same lock before each write: a beat already past its `select!` when
+/// a drain begins would otherwise write the entry back after the removal,
+/// listing a draining instance as healthy again for a whole TTL.
+struct EntryFile {
+    path: PathBuf,
+    withdrawn: Arc<std::sync::Mutex<bool>>,
+}
 
 impl EntryFile {
     fn remove_now(&self) -> Result<(), DiscoveryError> {
-        match std::fs::remove_file(&self.0) {
+        let mut withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
+        *withdrawn = true;
+        match std::fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io(&self.0)(e)),
+            Err(e) => Err(io(&self.path)(e)),
         }
     }
 }
@@ -104,6 +113,8 @@ impl Discovery for FileRegistry {
             let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
             let every = (self.ttl / 3).max(Duration::from_millis(10));
             let beat_path = path.clone();
+            let withdrawn = Arc::new(std::sync::Mutex::new(false));
+            let entry = EntryFile { path, withdrawn: withdrawn.clone() };
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(every);
                 tick.tick().await;
@@ -114,6 +125,10 @@ impl Discovery for FileRegistry {
                             // A failed heartbeat is retried on the next tick; if the
                             // registry stays unwritable the entry expires, which is
                             // the truth: nobody can see this instance.
+                            let gone = withdrawn.lock().unwrap_or_else(|e| e.into_inner());
+                            if *gone {
+                                return;
+                            }
                             match Self::write_entry(&beat_path, &instance) {
                                 Ok(()) => health().ok(),
                                 Err(e) => health().failed(&format!("heartbeat: {e}")),
@@ -122,7 +137,7 @@ impl Discovery for FileRegistry {
                     }
                 }
             });
-            Ok(Registration::new(stop, Arc::new(EntryFile(path))))
+            Ok(Registration::new(stop, Arc::new(entry)))
         })
     }
 
