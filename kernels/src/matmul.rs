@@ -81,23 +81,38 @@ pub const ROW_SLICE: usize = 16;
 
 /// `out[b * w.rows + r] = dot(W[r], X[b])` for every b in X and r in W.
 pub fn matmul(be: Backend, pool: &Pool, w: &QMatrix<'_>, x: &QActs, out: &mut [f32]) {
-    assert_eq!(x.blocks_per_row, w.blocks_per_row(), "matmul width mismatch");
-    assert_eq!(out.len(), x.rows * w.rows);
-    let rows = w.rows;
+    matmul_many(be, pool, [w], x, [out]);
+}
+
+/// [`matmul`] for several matrices that multiply the same activations
+/// (a layer's Q, K and V; its gate and up projections), in one parallel
+/// loop: one wait for the threads instead of one per matrix. Each output
+/// is bit-identical to its own [`matmul`].
+pub fn matmul_many<const N: usize>(be: Backend, pool: &Pool, ws: [&QMatrix<'_>; N], x: &QActs, outs: [&mut [f32]; N]) {
+    for (w, out) in ws.iter().zip(&outs) {
+        assert_eq!(x.blocks_per_row, w.blocks_per_row(), "matmul width mismatch");
+        assert_eq!(out.len(), x.rows * w.rows);
+    }
     // Enough tasks to balance the threads, each a multiple of 4 rows.
-    let per_task = (rows.div_ceil(pool.threads() * 8)).next_multiple_of(4).max(4);
-    let n_tasks = rows.div_ceil(per_task);
-    let dst = SyncPtr(out.as_mut_ptr());
+    let per_task = ws.map(|w| (w.rows.div_ceil(pool.threads() * 8)).next_multiple_of(4).max(4));
+    let mut first = [0usize; N];
+    let mut n_tasks = 0;
+    for i in 0..N {
+        first[i] = n_tasks;
+        n_tasks += ws[i].rows.div_ceil(per_task[i]);
+    }
+    let dsts = outs.map(|o| SyncPtr(o.as_mut_ptr()));
     pool.run(n_tasks, |t| {
-        let r0 = t * per_task;
-        let r1 = (r0 + per_task).min(rows);
+        let i = first.iter().rposition(|&f| f <= t).unwrap_or(0);
+        let (w, r0) = (ws[i], (t - first[i]) * per_task[i]);
+        let r1 = (r0 + per_task[i]).min(w.rows);
         // Weight rows in slices that stay in L1 while a tile of activations passes.
         for rs in (r0..r1).step_by(ROW_SLICE) {
             let re = (rs + ROW_SLICE).min(r1);
             for b0 in (0..x.rows).step_by(TILE_B) {
                 let b1 = (b0 + TILE_B).min(x.rows);
-                // SAFETY: each task writes only its own rows r0..r1 of every output row.
-                unsafe { dot_rows_into(be, w, rs, re, x, b0, b1, dst, rows) };
+                // SAFETY: each task writes only its own rows r0..r1 of every output row of matrix i.
+                unsafe { dot_rows_into(be, w, rs, re, x, b0, b1, dsts[i], w.rows) };
             }
         }
     });
@@ -334,6 +349,40 @@ mod tests {
                         run(*be) == want,
                         "{be:?} differs from the scalar reference: {kind} {rows}x{cols}, batch {batch}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Matrices multiplied together give each one's own product, bits and all.
+    #[test]
+    fn matmul_many_equals_one_matmul_each() {
+        let pool = Pool::new(2);
+        let mut rng = Rng::new(9);
+        let cols = 96;
+        let shapes = [37usize, 8, 64];
+        let ws: Vec<Vec<BlockQ4_1>> = shapes
+            .iter()
+            .map(|&rows| {
+                let mut q = vec![BlockQ4_1::default(); rows * cols / QK];
+                quantize_q4_1(&rng.normal_vec(rows * cols), &mut q);
+                q
+            })
+            .collect();
+        let ms: Vec<QMatrix> =
+            shapes.iter().zip(&ws).map(|(&rows, w)| QMatrix { rows, cols, data: QData::Q4_1(w) }).collect();
+        for be in [Backend::Scalar, Backend::detect()] {
+            for batch in [1usize, 5] {
+                let mut qa = QActs::default();
+                quantize_rows(be, &pool, &rng.normal_vec(batch * cols), batch, cols, &mut qa);
+                let mut outs: Vec<Vec<f32>> = shapes.iter().map(|r| vec![f32::NAN; r * batch]).collect();
+                let [a, b, c] = &mut outs[..] else { unreachable!() };
+                matmul_many(be, &pool, [&ms[0], &ms[1], &ms[2]], &qa, [a, b, c]);
+                for (m, got) in ms.iter().zip(&outs) {
+                    let mut want = vec![f32::NAN; m.rows * batch];
+                    matmul(be, &pool, m, &qa, &mut want);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(got), bits(&want), "{be:?} {} rows, batch {batch}", m.rows);
                 }
             }
         }

@@ -14,7 +14,7 @@ use std::path::Path;
 
 pub use pdmesh_kernels::attention::SumOrder;
 use pdmesh_kernels::attention::{attend_group, KvView, VALUE_PAD};
-use pdmesh_kernels::matmul::{matmul, quantize_rows, QActs, QData, QMatrix};
+use pdmesh_kernels::matmul::{matmul, matmul_many, quantize_rows, QActs, QData, QMatrix};
 use pdmesh_kernels::pool::{Pool, SyncPtr};
 use pdmesh_kernels::quant::{cast_blocks, dequantize_q4_1, dequantize_q8_0, BlockQ4_1, BlockQ8_0, QK};
 use pdmesh_kernels::{activation, norm, rope, Backend};
@@ -385,9 +385,8 @@ impl Model {
         kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn));
         self.dump("attn_norm", li, &s.xn);
         kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa));
-        kn.run("matmul_q", li, d, d, || matmul(be, pool, &layer.wq.matrix(), &s.qa, &mut s.q));
-        kn.run("matmul_k", li, kvd, d, || matmul(be, pool, &layer.wk.matrix(), &s.qa, &mut s.k));
-        kn.run("matmul_v", li, kvd, d, || matmul(be, pool, &layer.wv.matrix(), &s.qa, &mut s.v));
+        let qkv = [&layer.wq.matrix(), &layer.wk.matrix(), &layer.wv.matrix()];
+        kn.run("matmul_qkv", li, d + 2 * kvd, d, || matmul_many(be, pool, qkv, &s.qa, [&mut s.q, &mut s.k, &mut s.v]));
         kn.run("rope_kv_write", li, d + kvd, hd, || self.rope_and_write(kv, batch, li, s));
         self.dump("Qcur", li, &s.q);
         self.dump("Kcur", li, &s.k);
@@ -428,8 +427,8 @@ impl Model {
         let (d, ff) = (c.n_embd, c.n_ff);
         kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn));
         kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa));
-        kn.run("matmul_gate", li, ff, d, || matmul(be, pool, &layer.w_gate.matrix(), &s.qa, &mut s.gate));
-        kn.run("matmul_up", li, ff, d, || matmul(be, pool, &layer.w_up.matrix(), &s.qa, &mut s.up));
+        let gate_up = [&layer.w_gate.matrix(), &layer.w_up.matrix()];
+        kn.run("matmul_gate_up", li, 2 * ff, d, || matmul_many(be, pool, gate_up, &s.qa, [&mut s.gate, &mut s.up]));
         self.dump("ffn_gate", li, &s.gate);
         self.dump("ffn_up", li, &s.up);
         kn.run("silu_mul", li, ff, ff, || activation::silu_mul_be(be, &mut s.gate, &s.up));
