@@ -505,30 +505,46 @@ pub mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{quantize_q4_1, quantize_q8, quantize_q8_0, BlockQ4_1, BlockQ8};
+    use crate::quant::{quantize_q4_1, quantize_q8, quantize_q8_0, BlockQ4_1, BlockQ8, BlockQ8_0};
     use crate::testutil::Rng;
+
+    /// Says why and returns true where the CPU cannot run the AVX2 kernels.
+    fn skipped_without_avx2() -> bool {
+        let skip = !Backend::Avx2.runs_here();
+        if skip {
+            eprintln!("SKIPPED: this CPU has no AVX2/FMA/F16C; only the scalar reference runs");
+        }
+        skip
+    }
+
+    fn q4_1(w: &[f32]) -> Vec<BlockQ4_1> {
+        let mut q = vec![BlockQ4_1::default(); w.len() / QK];
+        quantize_q4_1(w, &mut q);
+        q
+    }
+
+    fn q8_0(w: &[f32]) -> Vec<BlockQ8_0> {
+        let mut q = vec![BlockQ8_0 { d: 0, qs: [0; QK] }; w.len() / QK];
+        quantize_q8_0(w, &mut q);
+        q
+    }
+
+    fn q8(x: &[f32]) -> Vec<BlockQ8> {
+        let mut q = vec![BlockQ8::default(); x.len() / QK];
+        quantize_q8(x, &mut q);
+        q
+    }
 
     #[test]
     fn avx2_is_bit_identical_to_scalar_on_random_rows() {
-        if !Backend::Avx2.runs_here() {
-            eprintln!("SKIPPED: this CPU has no AVX2/FMA/F16C; only the scalar reference runs");
+        if skipped_without_avx2() {
             return;
         }
         let mut rng = Rng::new(7);
         for nb in [1usize, 3, 18, 48] {
             let w: Vec<f32> = rng.normal_vec(nb * QK);
-            let mut w41 = vec![Default::default(); nb];
-            quantize_q4_1(&w, &mut w41);
-            let mut w80 = vec![crate::quant::BlockQ8_0 { d: 0, qs: [0; QK] }; nb];
-            quantize_q8_0(&w, &mut w80);
-            let xs: Vec<Vec<BlockQ8>> = (0..4)
-                .map(|_| {
-                    let x = rng.normal_vec(nb * QK);
-                    let mut q = vec![BlockQ8::default(); nb];
-                    quantize_q8(&x, &mut q);
-                    q
-                })
-                .collect();
+            let (w41, w80) = (q4_1(&w), q8_0(&w));
+            let xs: Vec<Vec<BlockQ8>> = (0..4).map(|_| q8(&rng.normal_vec(nb * QK))).collect();
             let refs = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
             let s41 = scalar::dot_q4_1(&w41, refs);
             // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
@@ -566,31 +582,15 @@ mod tests {
     /// The four-row batch-1 kernels give each row's single-row bits.
     #[test]
     fn avx2_four_row_kernels_match_the_single_row_kernels() {
-        if !Backend::Avx2.runs_here() {
-            eprintln!("SKIPPED: this CPU has no AVX2/FMA/F16C; only the scalar reference runs");
+        if skipped_without_avx2() {
             return;
         }
         let mut rng = Rng::new(13);
         for nb in [1usize, 2, 18, 48] {
             let w: Vec<Vec<f32>> = (0..4).map(|_| rng.normal_vec(nb * QK)).collect();
-            let w41: Vec<Vec<BlockQ4_1>> = w
-                .iter()
-                .map(|w| {
-                    let mut q = vec![BlockQ4_1::default(); nb];
-                    quantize_q4_1(w, &mut q);
-                    q
-                })
-                .collect();
-            let w80: Vec<Vec<crate::quant::BlockQ8_0>> = w
-                .iter()
-                .map(|w| {
-                    let mut q = vec![crate::quant::BlockQ8_0 { d: 0, qs: [0; QK] }; nb];
-                    quantize_q8_0(w, &mut q);
-                    q
-                })
-                .collect();
-            let mut x = vec![BlockQ8::default(); nb];
-            quantize_q8(&rng.normal_vec(nb * QK), &mut x);
+            let w41: Vec<Vec<BlockQ4_1>> = w.iter().map(|w| q4_1(w)).collect();
+            let w80: Vec<Vec<BlockQ8_0>> = w.iter().map(|w| q8_0(w)).collect();
+            let x = q8(&rng.normal_vec(nb * QK));
             let xs = [&x[..]];
             // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             let (f41, f80) = unsafe {
