@@ -39,7 +39,7 @@ pub(crate) fn http_of(s: &tonic::Status) -> (u16, &'static str, &'static str) {
 /// connection is the mesh's fault, named without the library's text.
 pub(crate) fn from_router(s: tonic::Status) -> tonic::Status {
     if pdmesh_core::grpc::timed_out(&s) {
-        tonic::Status::deadline_exceeded("request did not finish within its deadline")
+        tonic::Status::deadline_exceeded(DEADLINE_MESSAGE)
     } else if pdmesh_core::grpc::is_transport(&s) {
         tonic::Status::unavailable("the connection to the router failed")
     } else {
@@ -91,8 +91,11 @@ pub(crate) fn status_response(s: &tonic::Status) -> Response {
     r
 }
 
+/// What a request that ran out of time is told.
+pub(crate) const DEADLINE_MESSAGE: &str = "request did not finish within its deadline";
+
 pub(crate) fn timed_out() -> Response {
-    error_body(504, "request did not finish within its deadline", "timeout_error", None, Some("deadline_exceeded"))
+    error_body(504, DEADLINE_MESSAGE, "timeout_error", None, Some("deadline_exceeded"))
 }
 
 pub(crate) fn unavailable(message: &str) -> Response {

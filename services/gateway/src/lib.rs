@@ -36,9 +36,7 @@ use tracing::Instrument;
 use pdmesh_core::telemetry::{self, SpanExt};
 
 use crate::config::Config;
-use crate::error::{
-    bad_request, error_body, from_router, http_of, refused_response, status_response, timed_out, unavailable,
-};
+use crate::error::{bad_request, error_body, from_router, http_of, refused_response, status_response, unavailable};
 use crate::openai::Kind;
 use crate::upstream::Upstream;
 use pdmesh_core::vocab::{attr, span};
@@ -466,7 +464,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind
     };
     let answer = Answer { id, created: now_s(), model: parsed.model, chat };
     if !parsed.stream {
-        return Reply::Done(collect(g, up, &answer, deadline).await);
+        return Reply::Done(collect(g, up, &answer).await);
     }
     // Roomy: the router should never wait on a slow client; the body records
     // how long each chunk waited for it instead.
@@ -476,17 +474,16 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind
 }
 
 /// A non-streamed answer: every delta, then the whole response.
-async fn collect(g: &Gateway, mut up: Upstream, answer: &Answer, deadline: Duration) -> Response {
-    let until = tokio::time::Instant::now() + deadline + Duration::from_millis(500);
+/// Like every read of `up`, it ends at the request's deadline.
+async fn collect(g: &Gateway, mut up: Upstream, answer: &Answer) -> Response {
     let mut text = String::new();
     let r = loop {
-        let m = match tokio::time::timeout_at(until, up.next()).await {
-            Ok(Ok(m)) => m,
-            Ok(Err(s)) => {
+        let m = match up.next().await {
+            Ok(m) => m,
+            Err(s) => {
                 telemetry::record_status(up.span(), Some(&s));
                 break status_response(&from_router(s));
             }
-            Err(_) => break timed_out(),
         };
         match m.and_then(|m| m.event) {
             Some(pb::generate_response::Event::Delta(d)) => text.push_str(&d.text),

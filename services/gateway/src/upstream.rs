@@ -16,7 +16,7 @@ use pdmesh_proto::router::v1 as pb;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::error::{error_body, from_router, status_response, timed_out, unavailable};
+use crate::error::{error_body, from_router, status_response, timed_out, unavailable, DEADLINE_MESSAGE};
 
 /// How long a request waits for a router that cannot be reached.
 const ROUTER_PATIENCE: Duration = Duration::from_secs(3);
@@ -24,6 +24,9 @@ const ROUTER_PATIENCE: Duration = Duration::from_secs(3);
 const ROUTER_RETRY: Duration = Duration::from_millis(100);
 /// Most routers one request moves to after tokens reached its client.
 const MAX_FAILOVERS: u32 = 2;
+/// Past the deadline, how long the router has to send its own
+/// DEADLINE_EXCEEDED before the gateway ends the request itself.
+const DEADLINE_SLACK: Duration = Duration::from_millis(500);
 
 /// One request's router stream, resumed on another router if it is lost.
 pub struct Upstream {
@@ -63,7 +66,15 @@ impl Upstream {
         loop {
             let m = match self.first.take() {
                 Some(first) => Ok(first),
-                None => self.stream.message().await,
+                // A router that stops sending without closing (frozen, or
+                // stuck) cannot hold the request past its deadline.
+                None => match tokio::time::timeout_at(self.until + DEADLINE_SLACK, self.stream.message()).await {
+                    Ok(m) => m,
+                    Err(_) => {
+                        telemetry::mark_error(self.rpc.span(), "deadline exceeded");
+                        return Err(tonic::Status::deadline_exceeded(DEADLINE_MESSAGE));
+                    }
+                },
             };
             match m {
                 Err(s) if pdmesh_core::grpc::is_transport(&s) && self.failovers < MAX_FAILOVERS => {
@@ -121,7 +132,7 @@ impl Refused {
     fn status(self, lost: tonic::Status) -> tonic::Status {
         match self {
             Refused::Router(s) => s,
-            Refused::Deadline => tonic::Status::deadline_exceeded("request did not finish within its deadline"),
+            Refused::Deadline => tonic::Status::deadline_exceeded(DEADLINE_MESSAGE),
             Refused::NoRouter | Refused::Internal(_) => lost,
         }
     }
@@ -149,7 +160,7 @@ async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) ->
             let first = s.message().await?;
             Ok::<_, tonic::Status>((s, first))
         };
-        match tokio::time::timeout(left + Duration::from_millis(500), opened.instrument(rpc.clone())).await {
+        match tokio::time::timeout(left + DEADLINE_SLACK, opened.instrument(rpc.clone())).await {
             Ok(Ok((stream, first))) => return Ok((stream, first, rpc)),
             Ok(Err(s)) => {
                 telemetry::record_status(&rpc, Some(&s));

@@ -319,3 +319,31 @@ async fn a_dead_engine_loop_takes_its_worker_out_and_a_fresh_one_serves() {
     let mut r = mesh.router().await;
     run(&mut r, raw_request("The capital of France is", 4)).await.expect("served again");
 }
+
+/// A router that stops answering mid-stream without closing it (frozen:
+/// SIGSTOP; or stuck) cannot hold a streamed request past its deadline:
+/// the gateway ends it there with a `deadline_exceeded` error event, long
+/// before HTTP/2 keepalive would notice the router (10 s + 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_router_cannot_hold_a_stream_past_its_deadline() {
+    let mesh = Mesh::up(&[]);
+    let router = mesh.pid("router").await;
+    let gateway = mesh.gateway.clone();
+    let body = common::chat_body("Count to a thousand", r#","max_tokens":4000,"ignore_eos":true,"stream":true"#);
+    let t0 = Instant::now();
+    let headers = [("x-request-timeout", "4"), ("Connection", "close")];
+    let mut s = tokio::task::block_in_place(|| common::start_stream_with(&gateway, &body, 2, &headers));
+    common::signal(router, libc::SIGSTOP);
+    let rest = tokio::task::block_in_place(|| {
+        let mut rest = String::new();
+        let read = std::io::Read::read_to_string(&mut s, &mut rest);
+        (read.map_err(|e| e.to_string()), rest)
+    });
+    let took = t0.elapsed();
+    common::signal(router, libc::SIGCONT);
+    let (read, rest) = rest;
+    read.unwrap();
+    assert!(rest.contains("deadline_exceeded"), "the stream ended without a deadline error: {rest}");
+    assert!(took < Duration::from_secs(6), "the 4 s stream ended after {took:?}");
+    mesh.assert_released(Duration::from_secs(30)).await;
+}

@@ -321,9 +321,15 @@ impl Mesh {
 /// events arrived; the request lives until the returned stream is dropped
 /// (dropping it is a client disconnect).
 pub fn start_stream(gateway: &str, body: &str, n: usize) -> TcpStream {
+    start_stream_with(gateway, body, n, &[])
+}
+
+/// [`start_stream`] with extra request headers.
+pub fn start_stream_with(gateway: &str, body: &str, n: usize, headers: &[(&str, &str)]) -> TcpStream {
     let mut s = TcpStream::connect(gateway).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let h: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{h}\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 4096];
     let mut got = String::new();
     while got.matches("data:").count() < n {
