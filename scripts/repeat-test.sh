@@ -5,6 +5,7 @@
 #
 #   bash scripts/repeat-test.sh TEST_BINARY TEST_NAME [N] [TIMEOUT_S]
 #   bash scripts/repeat-test.sh prefix with_no_prefill_worker_left_the_decode_worker_prefills_any_prompt 20 120
+#   bash scripts/repeat-test.sh prefix all 20 900     (every test of the binary)
 #
 # The timeout is far below the test client's own (300 s), so a hang shows
 # as "timeout" quickly, with the mesh's logs kept under $TMPDIR.
@@ -21,7 +22,8 @@ fail=0
 for i in $(seq 1 "$n"); do
   t0=$(date +%s.%N)
   set +e
-  timeout "$limit" cargo test --release --workspace --test "$bin" -- --exact "$name" --nocapture > "$out/run-$i.log" 2>&1
+  filter=(--exact "$name"); [ "$name" = all ] && filter=()
+  timeout "$limit" cargo test --release --workspace --test "$bin" -- "${filter[@]}" --nocapture > "$out/run-$i.log" 2>&1
   rc=$?
   set -e
   t=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
