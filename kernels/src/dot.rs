@@ -11,6 +11,53 @@
 
 use crate::quant::{BlockQ4_1, BlockQ8, BlockQ8_0, QK};
 
+/// What a batch-1 kernel prefetches as it goes: the next tile's bytes,
+/// `step` of them per block it computes, so the next tile streams in while
+/// this one computes. (All of a tile's lines asked for at its start stalled
+/// the kernel once rows were long: 60 lines for 4 rows of 1536 columns.)
+#[derive(Clone, Copy)]
+pub struct Ahead {
+    at: *const i8,
+    len: usize,
+    step: usize,
+}
+
+impl Ahead {
+    /// Nothing to prefetch.
+    pub const NONE: Ahead = Ahead { at: std::ptr::null(), len: 0, step: 0 };
+
+    /// `blocks[start..start + count]` (as much of it as there is), over
+    /// the blocks of one row: `rows` blocks' bytes per step.
+    pub fn tile<T>(blocks: &[T], start: usize, count: usize, rows: usize) -> Ahead {
+        let end = (start + count).min(blocks.len());
+        if start >= end {
+            return Ahead::NONE;
+        }
+        let size = std::mem::size_of::<T>();
+        Ahead { at: blocks[start..].as_ptr() as *const i8, len: (end - start) * size, step: rows * size }
+    }
+
+    /// Prefetch the bytes for block `i`: the lines of `at[i * step..][..step]`.
+    #[inline(always)]
+    fn block(self, i: usize) {
+        let from = i * self.step;
+        if from >= self.len {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let first = (self.at as usize + from) & !63;
+            let last = self.at as usize + (from + self.step).min(self.len) - 1;
+            for line in (first..=last).step_by(64) {
+                // SAFETY: a prefetch is a hint and never faults; every line
+                // holds bytes of the slice `tile` was given.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+            }
+        }
+    }
+}
+
 /// Quantize activations with the fastest implementation the backend has.
 pub fn quantize_q8(be: Backend, x: &[f32], out: &mut [BlockQ8]) {
     assert_eq!(x.len(), out.len() * QK);
@@ -235,7 +282,7 @@ pub mod avx2 {
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `xs[0]` at least as long as each `w[r]`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_1_rows4(w: [&[BlockQ4_1]; 4], xs: [&[BlockQ8]; 1]) -> [[f32; 1]; 4] {
+    pub unsafe fn dot_q4_1_rows4(w: [&[BlockQ4_1]; 4], xs: [&[BlockQ8]; 1], ahead: Ahead) -> [[f32; 1]; 4] {
         let lowmask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         // Where each pair's two `d * y.d` sit in [d0 m0 d1 m1 d2 m2 d3 m3] * [yd ys ..].
@@ -246,6 +293,7 @@ pub mod avx2 {
         let mut summs = _mm256_setzero_ps();
         let nb = w[0].len();
         for i in 0..nb {
+            ahead.block(i);
             let b: [&BlockQ4_1; 4] = std::array::from_fn(|r| w[r].get_unchecked(i));
             let y = xs[0].get_unchecked(i);
             // d and m are a block's first four bytes.
@@ -293,12 +341,13 @@ pub mod avx2 {
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `xs[0]` at least as long as each `w[r]`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_0_rows4(w: [&[BlockQ8_0]; 4], xs: [&[BlockQ8]; 1]) -> [[f32; 1]; 4] {
+    pub unsafe fn dot_q8_0_rows4(w: [&[BlockQ8_0]; 4], xs: [&[BlockQ8]; 1], ahead: Ahead) -> [[f32; 1]; 4] {
         let ones = _mm256_set1_epi16(1);
         let pick: [__m256i; 4] = std::array::from_fn(|r| _mm256_set1_epi32(r as i32));
         let mut acc = [_mm256_setzero_ps(); 4];
         let nb = w[0].len();
         for i in 0..nb {
+            ahead.block(i);
             let b: [&BlockQ8_0; 4] = std::array::from_fn(|r| w[r].get_unchecked(i));
             let y = xs[0].get_unchecked(i);
             let d =
@@ -439,9 +488,23 @@ pub mod avx512 {
     /// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; every
     /// `xs[n]` at least as long as each `w[r]`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
     pub unsafe fn dot_pairs<B: PairBlock, const R: usize, const N: usize>(
         w: [&[B]; R],
         xs: [&[BlockQ8]; N],
+    ) -> [[f32; N]; R] {
+        dot_pairs_ahead(w, xs, Ahead::NONE)
+    }
+
+    /// [`dot_pairs`], prefetching `ahead` as it goes (the same results).
+    ///
+    /// # Safety
+    /// As [`dot_pairs`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dot_pairs_ahead<B: PairBlock, const R: usize, const N: usize>(
+        w: [&[B]; R],
+        xs: [&[BlockQ8]; N],
+        ahead: Ahead,
     ) -> [[f32; N]; R] {
         debug_assert!(R == 2 || R == 4);
         // Only the first R / 2 entries of the pair arrays are used.
@@ -456,6 +519,7 @@ pub mod avx512 {
         let pick_m = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
         let nb = w[0].len();
         for i in 0..nb {
+            ahead.block(i);
             let b: [&B; R] = std::array::from_fn(|r| w[r].get_unchecked(i));
             // One 32-bit load per row, one conversion for all rows' scales.
             let mut dm = [0i32; 4];
@@ -595,8 +659,8 @@ mod tests {
             // SAFETY: this test returned early unless the CPU has the instructions these kernels use.
             let (f41, f80) = unsafe {
                 (
-                    avx2::dot_q4_1_rows4(std::array::from_fn(|r| &w41[r][..]), xs),
-                    avx2::dot_q8_0_rows4(std::array::from_fn(|r| &w80[r][..]), xs),
+                    avx2::dot_q4_1_rows4(std::array::from_fn(|r| &w41[r][..]), xs, Ahead::NONE),
+                    avx2::dot_q8_0_rows4(std::array::from_fn(|r| &w80[r][..]), xs, Ahead::NONE),
                 )
             };
             for r in 0..4 {
