@@ -67,13 +67,11 @@ impl Upstream {
             let m = match self.first.take() {
                 Some(first) => Ok(first),
                 // A router that stops sending without closing (frozen, or
-                // stuck) cannot hold the request past its deadline.
+                // stuck) cannot hold the request past its deadline. (The
+                // caller records the error on the span, as for any other.)
                 None => match tokio::time::timeout_at(self.until + DEADLINE_SLACK, self.stream.message()).await {
                     Ok(m) => m,
-                    Err(_) => {
-                        telemetry::mark_error(self.rpc.span(), "deadline exceeded");
-                        return Err(tonic::Status::deadline_exceeded(DEADLINE_MESSAGE));
-                    }
+                    Err(_) => return Err(tonic::Status::deadline_exceeded(DEADLINE_MESSAGE)),
                 },
             };
             match m {
