@@ -146,6 +146,47 @@ fn start_stream(gateway: &str, max_tokens: u32, n: usize) -> (std::net::TcpStrea
     (s, got)
 }
 
+/// What the client and the routers saw of one request whose first router
+/// streamed `upto` of `max_tokens` tokens and was cut once the client had
+/// read them.
+struct Failover {
+    /// The client's whole response.
+    got: String,
+    first: Vec<pb::GenerateRequest>,
+    second: Vec<pb::GenerateRequest>,
+}
+
+async fn fail_over(upto: u32, max_tokens: u32) -> Failover {
+    let (first, first_seen) = fake_router(Some(upto)).await;
+    let (second, second_seen) = fake_router(None).await;
+    let relay = Relay::to(first.addr.to_string()).await;
+    let gw = gateway(&[&relay.addr, &second.addr.to_string()]).await;
+    let addr = gw.addr.to_string();
+    let (mut s, mut got) = tokio::task::block_in_place(|| start_stream(&addr, max_tokens, upto as usize));
+    relay.cut();
+    let mut rest = String::new();
+    tokio::task::block_in_place(|| s.read_to_string(&mut rest)).unwrap();
+    got.push_str(&rest);
+    gw.stop().await;
+    let seen = |s: &Mutex<Vec<pb::GenerateRequest>>| s.lock().unwrap().clone();
+    Failover { got, first: seen(&first_seen), second: seen(&second_seen) }
+}
+
+impl Failover {
+    /// Each of the `n` tokens once, the finish and [DONE], no error.
+    fn assert_whole(&self, n: u32) {
+        let got = &self.got;
+        for id in 100..100 + n {
+            assert_eq!(got.matches(&format!("<{id}>")).count(), 1, "token {id} not exactly once: {got}");
+        }
+        assert!(!got.contains("error"), "the client saw an error: {got}");
+        assert!(got.contains(r#""finish_reason":"length""#), "no finish: {got}");
+        assert!(got.contains("data: [DONE]"), "no [DONE]: {got}");
+        assert_eq!(self.first.len(), 1, "the first router got {} calls", self.first.len());
+        assert_eq!(self.second.len(), 1, "the second router got {} calls", self.second.len());
+    }
+}
+
 /// The failover's hardest moment: the router dies after it streamed the
 /// request's last token but before its finish. The gateway resumes the
 /// request on the other router with every token id (all of max_tokens),
@@ -153,50 +194,16 @@ fn start_stream(gateway: &str, max_tokens: u32, n: usize) -> (std::net::TcpStrea
 /// the finish and [DONE], and no error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_lost_after_the_last_token_costs_the_client_nothing() {
-    let (first, first_seen) = fake_router(Some(4)).await;
-    let (second, second_seen) = fake_router(None).await;
-    let relay = Relay::to(first.addr.to_string()).await;
-    let gw = gateway(&[&relay.addr, &second.addr.to_string()]).await;
-    let addr = gw.addr.to_string();
-    let (mut s, mut got) = tokio::task::block_in_place(|| start_stream(&addr, 4, 4));
-    relay.cut();
-    let mut rest = String::new();
-    tokio::task::block_in_place(|| s.read_to_string(&mut rest)).unwrap();
-    got.push_str(&rest);
-    for id in 100..104 {
-        assert_eq!(got.matches(&format!("<{id}>")).count(), 1, "token {id} not exactly once: {got}");
-    }
-    assert!(!got.contains("error"), "the client saw an error: {got}");
-    assert!(got.contains(r#""finish_reason":"length""#), "no finish: {got}");
-    assert!(got.contains("data: [DONE]"), "no [DONE]: {got}");
-    assert_eq!(first_seen.lock().unwrap().len(), 1);
-    let resumed = second_seen.lock().unwrap().clone();
-    assert_eq!(resumed.len(), 1, "the second router got {} calls", resumed.len());
-    assert_eq!(resumed[0].resume_ids, vec![100, 101, 102, 103], "resumed with every token sent");
-    gw.stop().await;
+    let f = fail_over(4, 4).await;
+    f.assert_whole(4);
+    assert_eq!(f.second[0].resume_ids, vec![100, 101, 102, 103], "resumed with every token sent");
 }
 
 /// A router lost mid-stream: the other router goes on after the tokens
 /// already sent, and the client sees each token once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_lost_mid_stream_is_resumed_after_the_tokens_sent() {
-    let (first, _) = fake_router(Some(2)).await;
-    let (second, second_seen) = fake_router(None).await;
-    let relay = Relay::to(first.addr.to_string()).await;
-    let gw = gateway(&[&relay.addr, &second.addr.to_string()]).await;
-    let addr = gw.addr.to_string();
-    let (mut s, mut got) = tokio::task::block_in_place(|| start_stream(&addr, 6, 2));
-    relay.cut();
-    let mut rest = String::new();
-    tokio::task::block_in_place(|| s.read_to_string(&mut rest)).unwrap();
-    got.push_str(&rest);
-    let resumed = second_seen.lock().unwrap().clone();
-    assert_eq!(resumed.len(), 1, "the second router got {} calls", resumed.len());
-    assert_eq!(resumed[0].resume_ids, vec![100, 101], "resumed after the 2 tokens sent");
-    for id in 100..106 {
-        assert_eq!(got.matches(&format!("<{id}>")).count(), 1, "token {id} not exactly once: {got}");
-    }
-    assert!(!got.contains("error"), "the client saw an error: {got}");
-    assert!(got.contains("data: [DONE]"), "no [DONE]: {got}");
-    gw.stop().await;
+    let f = fail_over(2, 6).await;
+    f.assert_whole(6);
+    assert_eq!(f.second[0].resume_ids, vec![100, 101], "resumed after the 2 tokens sent");
 }
