@@ -141,6 +141,7 @@ impl Mesh {
 impl Drop for Mesh {
     fn drop(&mut self) {
         if std::thread::panicking() {
+            dump_processes(self.child.id());
             // Show what the services said; keep their logs for a look.
             if let Ok(rd) = std::fs::read_dir(self.dir.join("logs")) {
                 for e in rd.flatten() {
@@ -170,6 +171,35 @@ impl Drop for Mesh {
         }
         let _ = self.child.kill();
     }
+}
+
+/// On a failed test, before the mesh stops: where each service process's
+/// threads wait in the kernel, and its TCP connections with their unread
+/// (Recv-Q) and unsent (Send-Q) bytes, so that a request that waited shows
+/// which process held it and on which connection.
+fn dump_processes(meshctl: u32) {
+    let read = |p: String| std::fs::read_to_string(p).unwrap_or_default();
+    let tasks =
+        |pid: &str| std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten().map(|t| t.path());
+    let pids: Vec<String> = tasks(&meshctl.to_string())
+        .flat_map(|t| {
+            read(t.join("children").display().to_string()).split_whitespace().map(String::from).collect::<Vec<_>>()
+        })
+        .collect();
+    for pid in &pids {
+        let mut waits = std::collections::BTreeMap::<String, usize>::new();
+        for t in tasks(pid) {
+            *waits.entry(read(t.join("wchan").display().to_string())).or_default() += 1;
+        }
+        eprintln!("==> pid {pid} {}: threads by kernel wait point {waits:?}", read(format!("/proc/{pid}/comm")).trim());
+    }
+    let Ok(ss) = Command::new("ss").arg("-tanpH").output() else { return };
+    let ss = String::from_utf8_lossy(&ss.stdout);
+    let ours = ss.lines().filter(|l| pids.iter().any(|p| l.contains(&format!("pid={p},"))));
+    eprintln!(
+        "==> TCP of the mesh's processes (state, Recv-Q, Send-Q, local, peer, process)\n{}",
+        ours.collect::<Vec<_>>().join("\n")
+    );
 }
 
 fn rand_suffix() -> u64 {
