@@ -178,20 +178,21 @@ impl Drop for Mesh {
 /// (Recv-Q) and unsent (Send-Q) bytes, so that a request that waited shows
 /// which process held it and on which connection.
 fn dump_processes(meshctl: u32) {
-    let read = |p: String| std::fs::read_to_string(p).unwrap_or_default();
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).unwrap_or_default();
     let tasks =
         |pid: &str| std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten().map(|t| t.path());
     let pids: Vec<String> = tasks(&meshctl.to_string())
-        .flat_map(|t| {
-            read(t.join("children").display().to_string()).split_whitespace().map(String::from).collect::<Vec<_>>()
-        })
+        .flat_map(|t| read(&t.join("children")).split_whitespace().map(String::from).collect::<Vec<_>>())
         .collect();
     for pid in &pids {
         let mut waits = std::collections::BTreeMap::<String, usize>::new();
         for t in tasks(pid) {
-            *waits.entry(read(t.join("wchan").display().to_string())).or_default() += 1;
+            *waits.entry(read(&t.join("wchan"))).or_default() += 1;
         }
-        eprintln!("==> pid {pid} {}: threads by kernel wait point {waits:?}", read(format!("/proc/{pid}/comm")).trim());
+        eprintln!(
+            "==> pid {pid} {}: threads by kernel wait point {waits:?}",
+            read(format!("/proc/{pid}/comm").as_ref()).trim()
+        );
     }
     let Ok(ss) = Command::new("ss").arg("-tanpH").output() else { return };
     let ss = String::from_utf8_lossy(&ss.stdout);
