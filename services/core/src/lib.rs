@@ -13,6 +13,7 @@ pub mod grpc;
 pub mod http;
 pub mod metrics;
 pub mod peers;
+pub mod refusal;
 pub mod serve;
 pub mod signal;
 pub mod telemetry;

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 use tower::Service;
@@ -64,11 +63,10 @@ pub struct ConnStats {
 
 /// What a connection over the cap is told before it is closed.
 fn full_response() -> String {
-    let body = r#"{"error":{"message":"the gateway has too many open connections; retry shortly","type":"service_unavailable","param":null,"code":"too_many_connections"}}"#;
-    format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
-         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
+    pdmesh_core::refusal::unavailable(
+        "the gateway has too many open connections; retry shortly",
+        "too_many_connections",
+        1,
     )
 }
 
@@ -118,11 +116,9 @@ pub async fn serve(
     Ok(())
 }
 
-/// Tell a connection over the cap why, and close it (a client that does
-/// not read gets no more than a moment).
-async fn refuse(mut tcp: TcpStream) {
-    let _ = tokio::time::timeout(Duration::from_secs(1), tcp.write_all(full_response().as_bytes())).await;
-    let _ = tcp.shutdown().await;
+/// Tell a connection over the cap why, and close it.
+async fn refuse(tcp: TcpStream) {
+    pdmesh_core::refusal::answer_and_close(tcp, &full_response()).await;
 }
 
 /// One client connection, HTTP/1.1 with keep-alive.
@@ -148,11 +144,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_refusal_is_a_whole_http_response() {
+    fn the_refusal_names_the_cap() {
         let full = full_response();
-        let (head, body) = full.split_once("\r\n\r\n").unwrap();
-        let len: usize = head.lines().find_map(|l| l.strip_prefix("content-length: ")).unwrap().parse().unwrap();
-        assert_eq!(len, body.len());
+        let body = full.split_once("\r\n\r\n").unwrap().1;
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["error"]["code"], "too_many_connections");
     }

@@ -24,6 +24,7 @@ mod inspect;
 mod jaeger;
 mod plan;
 mod process;
+mod standin;
 mod status;
 mod supervisor;
 mod up;

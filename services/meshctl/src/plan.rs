@@ -171,13 +171,19 @@ pub struct Ctx {
     /// The gateway's listening socket: meshctl binds it once and hands it to
     /// every gateway process, so during a restart the new one accepts from
     /// the same queue the old one stops taking from (no refused or reset
-    /// connections), and while none runs, clients wait in the queue.
+    /// connections). Clients wait in the queue for a gateway about to
+    /// start; while none is, meshctl answers them ([`crate::standin`]).
     gateway_socket: std::net::TcpListener,
     /// `--tls`: the development CA that signs each instance's certificate.
     tls: Option<crate::devca::DevCa>,
 }
 
 impl Ctx {
+    /// Answer the gateway's clients until the returned guard is dropped.
+    pub fn stand_in(&self) -> std::io::Result<crate::standin::StandIn> {
+        crate::standin::StandIn::start(&self.gateway_socket)
+    }
+
     /// Instance `index` of `kind`, not started yet.
     pub fn svc(&self, kind: &str, index: usize) -> Result<Svc, String> {
         let a = &self.a;

@@ -196,7 +196,10 @@ impl Svc {
         Ok(())
     }
 
-    /// Wait for /health 200; an exit or the timeout is an error with the log's tail.
+    /// Wait for /health 200 from this process itself (its /statusz pid):
+    /// a port another process holds answers for that one, which would
+    /// count a service that could not bind it as healthy. An exit or the
+    /// timeout is an error with the log's tail.
     pub async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
         let t0 = Instant::now();
         loop {
@@ -215,7 +218,7 @@ impl Svc {
                 .await
                 .ok()
                 .and_then(Result::ok);
-            if matches!(ok, Some((200, _))) {
+            if matches!(ok, Some((200, _))) && self.answers_itself().await {
                 return Ok(());
             }
             if t0.elapsed() > timeout {
@@ -229,6 +232,19 @@ impl Svc {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Whether the process answering on this service's http address is
+    /// its own child (the pid in /statusz).
+    async fn answers_itself(&self) -> bool {
+        let Some(pid) = self.child.as_ref().and_then(Child::id) else { return false };
+        let h = self.http.clone();
+        let got = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/statusz", Duration::from_secs(2)))
+            .await
+            .ok()
+            .and_then(Result::ok);
+        let answered = got.and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(&body).ok());
+        answered.is_some_and(|v| v["pid"].as_u64() == Some(u64::from(pid)))
     }
 
     /// SIGTERM: the service drains and exits.
@@ -325,6 +341,62 @@ fn with_socket(cmd: &mut Command, fd: i32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An admin endpoint answering /health 200 and /statusz with the pid
+    /// in `pid`; its address.
+    async fn admin_answering_as(pid: std::sync::Arc<std::sync::atomic::AtomicU32>) -> String {
+        use axum::routing::get;
+        let statusz = move || {
+            let pid = pid.load(std::sync::atomic::Ordering::Relaxed);
+            async move { serde_json::json!({ "pid": pid }).to_string() }
+        };
+        let app = axum::Router::new().route("/health", get(|| async { "ok" })).route("/statusz", get(statusz));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        addr
+    }
+
+    /// CI once planned two services on one port: the second could not bind
+    /// it and exited, and the first's /health counted it healthy. With the
+    /// gateway so lost, clients waited in meshctl's socket for their own
+    /// timeout (issue 29's 300 s wait).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn health_counts_only_when_the_process_itself_answers() {
+        let pid = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(std::process::id()));
+        let http = admin_answering_as(pid.clone()).await;
+        let log = std::env::temp_dir().join(format!("meshctl-health-{}.log", std::process::id()));
+        let mut s = Svc {
+            kind: "router".into(),
+            index: 0,
+            draining: false,
+            name: "router-0".into(),
+            // A process that never serves: another one answers on its port.
+            bin: "sleep".into(),
+            args: vec!["30".into()],
+            http,
+            log: log.clone(),
+            child: None,
+            restarts: 0,
+            started: None,
+            quick_exits: 0,
+            restart_at: None,
+            gave_up: None,
+            last_exit: None,
+            own_listen: true,
+            nice: 0,
+            pass_fd: None,
+            cpus: Vec::new(),
+        };
+        s.spawn().unwrap();
+        let e = s.wait_healthy(Duration::from_millis(600)).await.unwrap_err();
+        assert!(e.contains("router-0 not healthy"), "{e}");
+        let own = s.child.as_ref().and_then(Child::id).unwrap();
+        pid.store(own, std::sync::atomic::Ordering::Relaxed);
+        s.wait_healthy(Duration::from_secs(5)).await.expect("its own pid answers: healthy");
+        let _ = s.child.as_mut().unwrap().kill().await;
+        let _ = std::fs::remove_file(log);
+    }
 
     #[test]
     fn crash_loops_back_off_and_give_up() {

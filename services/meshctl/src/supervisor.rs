@@ -25,6 +25,7 @@ use serde_json::{json, Value};
 use crate::flags::Args;
 use crate::plan::{Ctx, MAX_REPLICAS};
 use crate::process::{AfterExit, Svc};
+use crate::standin::{self, StandIn};
 
 /// The order of `meshctl restart --all`.
 pub const RESTART_ORDER: [&str; 5] = ["prefill", "decode", "tokenizer", "router", "gateway"];
@@ -52,6 +53,10 @@ pub struct Mesh {
     pub ctx: Ctx,
     pub svcs: Vec<Svc>,
     processes: Snapshot,
+    /// Answering the gateway's clients while no gateway runs or is due.
+    stand_in: Option<StandIn>,
+    /// A gateway is being started (`scale`): the stand-in waits for it.
+    adding_gateway: bool,
 }
 
 /// Where operators' requests come from while the control endpoint serves,
@@ -75,7 +80,7 @@ fn refuse_kind(kind: &str) -> Result<(), String> {
 impl Mesh {
     pub fn new(ctx: Ctx, svcs: Vec<Svc>) -> Mesh {
         let processes = Snapshot::default();
-        let mesh = Mesh { ctx, svcs, processes };
+        let mesh = Mesh { ctx, svcs, processes, stand_in: None, adding_gateway: false };
         mesh.publish();
         mesh
     }
@@ -127,7 +132,36 @@ impl Mesh {
         if restart_exited(&self.ctx.a, &mut self.svcs) {
             self.ctx.write_targets(&self.svcs);
         }
+        self.mind_the_front_door();
         self.publish();
+    }
+
+    /// Start the gateway's stand-in when no gateway runs or is due within
+    /// [`standin::DUE_WITHIN`]; stop it when one is.
+    fn mind_the_front_door(&mut self) {
+        let due = Instant::now() + standin::DUE_WITHIN;
+        let coming = self.adding_gateway
+            || self
+                .svcs
+                .iter()
+                .any(|s| s.kind == "gateway" && (s.child.is_some() || s.restart_at.is_some_and(|t| t <= due)));
+        match (coming, self.stand_in.is_some()) {
+            (false, false) => match self.ctx.stand_in() {
+                Ok(s) => {
+                    eprintln!("meshctl: no gateway runs or is starting; answering its clients 503 {} until one does (meshctl scale gateway=1)", standin::CODE);
+                    self.stand_in = Some(s);
+                }
+                Err(e) => eprintln!("meshctl: cannot answer the gateway's clients: {e}"),
+            },
+            (true, true) => self.end_stand_in(),
+            _ => {}
+        }
+    }
+
+    fn end_stand_in(&mut self) {
+        if self.stand_in.take().is_some() {
+            eprintln!("meshctl: a gateway is starting; its clients wait for it");
+        }
     }
 
     async fn run_op(&mut self, op: Op) -> Result<Value, String> {
@@ -163,6 +197,11 @@ impl Mesh {
     async fn add(&mut self, kind: &str) -> Result<String, String> {
         let index = self.svcs.iter().filter(|s| s.kind == kind).map(|s| s.index + 1).max().unwrap_or(0);
         let mut s = self.ctx.svc(kind, index)?;
+        if kind == "gateway" {
+            // Its clients queue for it from now on.
+            self.adding_gateway = true;
+            self.end_stand_in();
+        }
         let r = {
             let start = start_one(&mut s, Duration::from_secs(self.ctx.a.ready_timeout_s));
             tokio::pin!(start);
@@ -174,6 +213,7 @@ impl Mesh {
                 }
             }
         };
+        self.adding_gateway = false;
         let name = s.name.clone();
         if let Err(e) = r {
             s.stop(Duration::from_secs(5)).await;

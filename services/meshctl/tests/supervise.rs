@@ -1,7 +1,8 @@
 //! `meshctl up` as a supervisor: a crash loop is restarted with a growing
 //! backoff, then left down with the reason in `meshctl status`, and
 //! `meshctl scale` replaces it; and when meshctl itself is killed (even by
-//! SIGKILL) its services do not outlive it.
+//! SIGKILL) its services do not outlive it; with no gateway running or
+//! starting, meshctl answers the gateway's clients 503 itself.
 // Tests unwrap: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
@@ -83,4 +84,54 @@ async fn a_killed_meshctl_takes_its_services_with_it() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     eprintln!("all six services exited {:?} after meshctl was killed", t0.elapsed());
+}
+
+/// POST a short chat to `gateway`, reading for at most 10 s: (status,
+/// body, how long it took).
+fn ask_within_10_s(gateway: &str) -> (u16, String, Duration) {
+    use std::io::{Read, Write};
+    let body = common::chat_body("Hello", r#","max_tokens":2"#);
+    let t0 = Instant::now();
+    let mut s = std::net::TcpStream::connect(gateway).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {gateway}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let read = s.read_to_end(&mut raw);
+    assert!(read.is_ok(), "no answer within 10 s: {read:?}");
+    let (code, text) = common::parse_response(&raw);
+    (code, text, t0.elapsed())
+}
+
+/// With the gateway down and none starting (here `--no-restart`), a client
+/// is answered 503 `gateway_down` at once by meshctl, which holds the
+/// gateway's socket; `meshctl scale gateway=1` brings answers back. Before,
+/// such a client waited in the socket's queue for its own timeout: issue
+/// 29's 300 s wait was a test client queued for a gateway that had not
+/// started (its admin port was planned on another service's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_no_gateway_running_clients_get_503_at_once_not_a_wait() {
+    let mesh = tokio::task::block_in_place(|| Mesh::up(&["--threads", "1", "--no-restart"]));
+    let gateway = mesh.pid("gateway").await;
+    signal(gateway, libc::SIGKILL);
+    // Asked before meshctl has seen the exit (it looks every 0.25 s): the
+    // client waits in the queue until meshctl answers it; then again.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for _ in 0..2 {
+        let (code, body, took) = tokio::task::block_in_place(|| ask_within_10_s(&mesh.gateway));
+        eprintln!("with the gateway down: {code} in {took:?}: {body}");
+        assert_eq!(code, 503, "{body}");
+        assert!(body.contains("gateway_down"), "{body}");
+        assert!(took < Duration::from_secs(3), "answered in {took:?}");
+        assert!(!alive(gateway));
+    }
+    let registry = mesh.dir.join("registry").display().to_string();
+    let v = common::meshctl_ok(&["scale", "gateway=1"], &["--registry-dir", &registry]);
+    assert_eq!(v["started"], serde_json::json!(["gateway-1"]), "{v}");
+    let (code, body, _) = tokio::task::block_in_place(|| ask_within_10_s(&mesh.gateway));
+    assert_eq!(code, 200, "the new gateway answers: {body}");
 }
