@@ -206,27 +206,12 @@ impl Ctx {
                 args[i + 1] = cpus.len().to_string();
             }
         }
-        Ok(Svc {
-            kind: kind.to_string(),
-            index,
-            draining: false,
-            name: id.clone(),
-            bin: self.bin_dir.join(format!("pdmesh-{kind}")),
-            args,
-            http,
-            log: self.log_dir.join(format!("{id}.log")),
-            child: None,
-            restarts: 0,
-            started: None,
-            quick_exits: 0,
-            restart_at: None,
-            gave_up: None,
-            last_exit: None,
-            own_listen: kind != "gateway",
-            pass_fd: (kind == "gateway").then(|| std::os::fd::AsRawFd::as_raw_fd(&self.gateway_socket)),
-            nice: if kind == "prefill" { a.prefill_nice } else { 0 },
-            cpus,
-        })
+        let log = self.log_dir.join(format!("{id}.log"));
+        let mut s = Svc::new(kind, index, self.bin_dir.join(format!("pdmesh-{kind}")), args, http, log);
+        s.pass_fd = (kind == "gateway").then(|| std::os::fd::AsRawFd::as_raw_fd(&self.gateway_socket));
+        s.nice = if kind == "prefill" { a.prefill_nice } else { 0 };
+        s.cpus = cpus;
+        Ok(s)
     }
 
     /// Every process of the mesh, in start order.

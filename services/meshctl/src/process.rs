@@ -106,6 +106,33 @@ fn log_tail(p: &Path) -> String {
 }
 
 impl Svc {
+    /// Instance `index` of `kind`, not started: `bin` with `args`, its
+    /// admin endpoint at `http`, its output appended to `log`; any CPU,
+    /// nice 0, no inherited socket.
+    pub fn new(kind: &str, index: usize, bin: PathBuf, args: Vec<String>, http: String, log: PathBuf) -> Svc {
+        Svc {
+            kind: kind.to_string(),
+            index,
+            draining: false,
+            name: format!("{kind}-{index}"),
+            bin,
+            args,
+            http,
+            log,
+            child: None,
+            restarts: 0,
+            started: None,
+            quick_exits: 0,
+            restart_at: None,
+            gave_up: None,
+            last_exit: None,
+            own_listen: kind != "gateway",
+            nice: 0,
+            pass_fd: None,
+            cpus: Vec::new(),
+        }
+    }
+
     /// The ports meshctl picks are free when picked, but another process
     /// may take one before the service binds it: then it gets new ones.
     pub fn port_was_taken(&self) -> bool {
@@ -366,28 +393,8 @@ mod tests {
         let pid = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(std::process::id()));
         let http = admin_answering_as(pid.clone()).await;
         let log = std::env::temp_dir().join(format!("meshctl-health-{}.log", std::process::id()));
-        let mut s = Svc {
-            kind: "router".into(),
-            index: 0,
-            draining: false,
-            name: "router-0".into(),
-            // A process that never serves: another one answers on its port.
-            bin: "sleep".into(),
-            args: vec!["30".into()],
-            http,
-            log: log.clone(),
-            child: None,
-            restarts: 0,
-            started: None,
-            quick_exits: 0,
-            restart_at: None,
-            gave_up: None,
-            last_exit: None,
-            own_listen: true,
-            nice: 0,
-            pass_fd: None,
-            cpus: Vec::new(),
-        };
+        // A process that never serves: another one answers on its port.
+        let mut s = Svc::new("router", 0, "sleep".into(), vec!["30".into()], http, log.clone());
         s.spawn().unwrap();
         let e = s.wait_healthy(Duration::from_millis(600)).await.unwrap_err();
         assert!(e.contains("router-0 not healthy"), "{e}");
