@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 pub const DUE_WITHIN: Duration = Duration::from_secs(1);
 
 /// What a client is told while no gateway runs.
-pub const MESSAGE: &str = "no gateway process is running on this mesh, and none is starting; retry later";
+const MESSAGE: &str = "no gateway process is running on this mesh now; retry later";
 /// Its error code.
 pub const CODE: &str = "gateway_down";
 /// Seconds a client is asked to wait before trying again.
