@@ -240,12 +240,7 @@ impl Svc {
                     ));
                 }
             }
-            let h = self.http.clone();
-            let ok = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/health", Duration::from_secs(2)))
-                .await
-                .ok()
-                .and_then(Result::ok);
-            if matches!(ok, Some((200, _))) && self.answers_itself().await {
+            if matches!(self.admin_get("/health").await, Some((200, _))) && self.answers_itself().await {
                 return Ok(());
             }
             if t0.elapsed() > timeout {
@@ -265,13 +260,16 @@ impl Svc {
     /// its own child (the pid in /statusz).
     async fn answers_itself(&self) -> bool {
         let Some(pid) = self.child.as_ref().and_then(Child::id) else { return false };
-        let h = self.http.clone();
-        let got = tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, "/statusz", Duration::from_secs(2)))
-            .await
-            .ok()
-            .and_then(Result::ok);
+        let got = self.admin_get("/statusz").await;
         let answered = got.and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(&body).ok());
         answered.is_some_and(|v| v["pid"].as_u64() == Some(u64::from(pid)))
+    }
+
+    /// `GET path` on this service's admin endpoint (2 s bound); None if
+    /// nothing answered.
+    async fn admin_get(&self, path: &'static str) -> Option<(u16, String)> {
+        let h = self.http.clone();
+        tokio::task::spawn_blocking(move || pdmesh_core::http::get(&h, path, Duration::from_secs(2))).await.ok()?.ok()
     }
 
     /// SIGTERM: the service drains and exits.
