@@ -13,9 +13,12 @@
 pub mod activation;
 pub mod attention;
 pub mod dot;
+pub mod formats;
 #[cfg(target_arch = "x86_64")]
 pub mod ggml_avx2;
 pub mod ggml_ref;
+pub mod kdot;
+pub mod kquant;
 pub mod matmul;
 pub mod norm;
 pub mod pool;

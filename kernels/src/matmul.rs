@@ -7,6 +7,8 @@
 //! block). Output rows are split across the pool's threads.
 
 use crate::dot::{self, Backend};
+use crate::kdot;
+use crate::kquant::*;
 use crate::pool::{Pool, SyncPtr};
 use crate::quant::{BlockQ4_1, BlockQ8, BlockQ8_0, QK};
 
@@ -15,6 +17,41 @@ use crate::quant::{BlockQ4_1, BlockQ8, BlockQ8_0, QK};
 pub enum QData<'a> {
     Q4_1(&'a [BlockQ4_1]),
     Q8_0(&'a [BlockQ8_0]),
+    Q5_0(&'a [BlockQ5_0]),
+    Q5_1(&'a [BlockQ5_1]),
+    Q2K(&'a [BlockQ2K]),
+    Q3K(&'a [BlockQ3K]),
+    Q4K(&'a [BlockQ4K]),
+    Q5K(&'a [BlockQ5K]),
+    Q6K(&'a [BlockQ6K]),
+}
+
+impl QData<'_> {
+    /// Values per block.
+    pub fn block_len(&self) -> usize {
+        match self.acts() {
+            ActKind::Q8 => QK,
+            ActKind::Q8K => QK_K,
+        }
+    }
+
+    /// Which activation blocks this weight type is dotted with (GGML's
+    /// `vec_dot_type`).
+    pub fn acts(&self) -> ActKind {
+        match self {
+            QData::Q4_1(_) | QData::Q8_0(_) | QData::Q5_0(_) | QData::Q5_1(_) => ActKind::Q8,
+            _ => ActKind::Q8K,
+        }
+    }
+}
+
+/// The two forms of quantized activations: 32-value [`BlockQ8`] blocks
+/// (for Q4_1, Q5_0, Q5_1, Q8_0 weights) and 256-value [`BlockQ8K`] blocks
+/// (for the K-quants).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActKind {
+    Q8,
+    Q8K,
 }
 
 /// A `rows × cols` block-quantized matrix, row-major.
@@ -28,48 +65,111 @@ pub struct QMatrix<'a> {
 impl<'a> QMatrix<'a> {
     /// Blocks per row.
     pub fn blocks_per_row(&self) -> usize {
-        self.cols / QK
+        self.cols / self.data.block_len()
     }
     pub fn kind(&self) -> &'static str {
         match self.data {
             QData::Q4_1(_) => "q4_1",
             QData::Q8_0(_) => "q8_0",
+            QData::Q5_0(_) => "q5_0",
+            QData::Q5_1(_) => "q5_1",
+            QData::Q2K(_) => "q2_k",
+            QData::Q3K(_) => "q3_k",
+            QData::Q4K(_) => "q4_k",
+            QData::Q5K(_) => "q5_k",
+            QData::Q6K(_) => "q6_k",
         }
     }
 }
 
-/// Activation rows quantized for the integer dot products.
+/// Activation rows quantized for the integer dot products, in the forms
+/// asked for ([`quantize_acts`]).
 #[derive(Default)]
 pub struct QActs {
     pub blocks: Vec<BlockQ8>,
+    pub kblocks: Vec<BlockQ8K>,
     pub rows: usize,
+    pub cols: usize,
     pub blocks_per_row: usize,
+    /// Which forms hold this call's rows: [Q8, Q8K].
+    has: [bool; 2],
 }
 
 impl QActs {
     pub fn row(&self, r: usize) -> &[BlockQ8] {
         &self.blocks[r * self.blocks_per_row..(r + 1) * self.blocks_per_row]
     }
+    pub fn krow(&self, r: usize) -> &[BlockQ8K] {
+        let n = self.cols / QK_K;
+        &self.kblocks[r * n..(r + 1) * n]
+    }
+    pub fn has(&self, kind: ActKind) -> bool {
+        self.has[kind as usize]
+    }
 }
 
 /// Quantize `rows` rows of `cols` f32 values (cols a multiple of 32) into `out`,
-/// reusing its allocation.
+/// reusing its allocation, as 32-value [`BlockQ8`] blocks.
 pub fn quantize_rows(be: Backend, pool: &Pool, x: &[f32], rows: usize, cols: usize, out: &mut QActs) {
-    assert_eq!(cols % QK, 0, "activation width must be a multiple of {QK}");
+    quantize_acts(be, pool, x, rows, cols, &[ActKind::Q8], out)
+}
+
+/// The activation forms that the weights `ws` take.
+pub fn acts_for(ws: &[&QMatrix<'_>]) -> Vec<ActKind> {
+    let mut kinds: Vec<ActKind> = ws.iter().map(|w| w.data.acts()).collect();
+    kinds.dedup();
+    if kinds.len() > 1 {
+        kinds = vec![ActKind::Q8, ActKind::Q8K];
+    }
+    kinds
+}
+
+/// Quantize `rows` rows of `cols` values into each form of `kinds`
+/// (Q8K needs `cols` a multiple of 256), reusing `out`'s allocations.
+pub fn quantize_acts(
+    be: Backend,
+    pool: &Pool,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    kinds: &[ActKind],
+    out: &mut QActs,
+) {
     assert_eq!(x.len(), rows * cols);
-    let nb = cols / QK;
-    out.blocks.resize(rows * nb, BlockQ8::default());
     out.rows = rows;
-    out.blocks_per_row = nb;
-    let dst = SyncPtr::new(&mut out.blocks);
+    out.cols = cols;
+    out.has = [false; 2];
     let per_task = rows.div_ceil(pool.threads() * 2).max(1);
-    pool.run(rows.div_ceil(per_task), |t| {
-        let r0 = t * per_task;
-        let r1 = (r0 + per_task).min(rows);
-        // SAFETY: tasks cover disjoint row ranges.
-        let o = unsafe { dst.slice(r0 * nb, (r1 - r0) * nb) };
-        dot::quantize_q8(be, &x[r0 * cols..r1 * cols], o);
-    });
+    for &kind in kinds {
+        out.has[kind as usize] = true;
+        match kind {
+            ActKind::Q8 => {
+                assert_eq!(cols % QK, 0, "activation width must be a multiple of {QK}");
+                let nb = cols / QK;
+                out.blocks.resize(rows * nb, BlockQ8::default());
+                out.blocks_per_row = nb;
+                let dst = SyncPtr::new(&mut out.blocks);
+                pool.run(rows.div_ceil(per_task), |t| {
+                    let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
+                    // SAFETY: tasks cover disjoint row ranges.
+                    let o = unsafe { dst.slice(r0 * nb, (r1 - r0) * nb) };
+                    dot::quantize_q8(be, &x[r0 * cols..r1 * cols], o);
+                });
+            }
+            ActKind::Q8K => {
+                assert_eq!(cols % QK_K, 0, "K-quant activation width must be a multiple of {QK_K}");
+                let nb = cols / QK_K;
+                out.kblocks.resize(rows * nb, BlockQ8K::default());
+                let dst = SyncPtr::new(&mut out.kblocks);
+                pool.run(rows.div_ceil(per_task), |t| {
+                    let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
+                    // SAFETY: tasks cover disjoint row ranges.
+                    let o = unsafe { dst.slice(r0 * nb, (r1 - r0) * nb) };
+                    quantize_q8_k(&x[r0 * cols..r1 * cols], o);
+                });
+            }
+        }
+    }
 }
 
 /// Activation rows that share one pass over a weight row (a tuning knob,
@@ -90,7 +190,8 @@ pub fn matmul(be: Backend, pool: &Pool, w: &QMatrix<'_>, x: &QActs, out: &mut [f
 /// is bit-identical to its own [`matmul`].
 pub fn matmul_many<const N: usize>(be: Backend, pool: &Pool, ws: [&QMatrix<'_>; N], x: &QActs, outs: [&mut [f32]; N]) {
     for (w, out) in ws.iter().zip(&outs) {
-        assert_eq!(x.blocks_per_row, w.blocks_per_row(), "matmul width mismatch");
+        assert_eq!(x.cols, w.cols, "matmul width mismatch");
+        assert!(x.has(w.data.acts()), "activations not quantized for {} weights", w.kind());
         assert_eq!(out.len(), x.rows * w.rows);
     }
     // Tasks of a multiple of 4 rows. A batch-1 product reads each weight
@@ -248,7 +349,9 @@ unsafe fn dot_rows_into(
         // on AVX2 the four-row kernels (scales of all four rows converted
         // at once). The same bits either way.
         #[cfg(target_arch = "x86_64")]
-        (Backend::Avx512 | Backend::Avx2, _) if x.rows == 1 => single_column(be, w, r0, r1, x, dst),
+        (Backend::Avx512 | Backend::Avx2, QData::Q4_1(_) | QData::Q8_0(_)) if x.rows == 1 => {
+            single_column(be, w, r0, r1, x, dst)
+        }
         // Leftover single columns of a batch stay on the AVX2 kernel.
         #[cfg(target_arch = "x86_64")]
         (Backend::Avx512, QData::Q4_1(blocks)) => {
@@ -272,6 +375,68 @@ unsafe fn dot_rows_into(
         }
         (_, QData::Q4_1(blocks)) => scalar_sweep!(dot::scalar::dot_q4_1, blocks),
         (_, QData::Q8_0(blocks)) => scalar_sweep!(dot::scalar::dot_q8_0, blocks),
+        _ => row_sweep(be, w, r0, r1, x, b0, b1, dst, stride),
+    }
+}
+
+/// [`dot_rows_into`] for the K-quants and the 5-bit types: one weight row
+/// at a time against four activation rows, then single ones (the same
+/// bits either way).
+///
+/// # Safety
+/// As [`dot_rows_into`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn row_sweep(
+    be: Backend,
+    w: &QMatrix<'_>,
+    r0: usize,
+    r1: usize,
+    x: &QActs,
+    b0: usize,
+    b1: usize,
+    dst: SyncPtr<f32>,
+    stride: usize,
+) {
+    let nb = w.blocks_per_row();
+    macro_rules! sweep {
+        ($f:expr, $blocks:expr, $row:ident) => {{
+            for r in r0..r1 {
+                let wr = &$blocks[r * nb..(r + 1) * nb];
+                let mut b = b0;
+                while b + 4 <= b1 {
+                    let v = $f(wr, std::array::from_fn::<_, 4, _>(|i| x.$row(b + i)));
+                    for (i, vi) in v.iter().enumerate() {
+                        *dst.0.add((b + i) * stride + r) = *vi;
+                    }
+                    b += 4;
+                }
+                for b in b..b1 {
+                    *dst.0.add(b * stride + r) = $f(wr, [x.$row(b)])[0];
+                }
+            }
+        }};
+    }
+    #[cfg(target_arch = "x86_64")]
+    if be.has_avx2() {
+        use kdot::avx2 as v;
+        match w.data {
+            QData::Q4K(bl) => return sweep!(|a, b| v::dot_q4_k(a, b), bl, krow),
+            QData::Q6K(bl) => return sweep!(|a, b| v::dot_q6_k(a, b), bl, krow),
+            QData::Q5_0(bl) => return sweep!(|a, b| v::dot_q5_0(a, b), bl, row),
+            _ => {}
+        }
+    }
+    let _ = be;
+    use kdot::scalar as s;
+    match w.data {
+        QData::Q4K(bl) => sweep!(|a, b| s::dot_q4_k(a, b), bl, krow),
+        QData::Q6K(bl) => sweep!(|a, b| s::dot_q6_k(a, b), bl, krow),
+        QData::Q5K(bl) => sweep!(|a, b| s::dot_q5_k(a, b), bl, krow),
+        QData::Q3K(bl) => sweep!(|a, b| s::dot_q3_k(a, b), bl, krow),
+        QData::Q2K(bl) => sweep!(|a, b| s::dot_q2_k(a, b), bl, krow),
+        QData::Q5_0(bl) => sweep!(|a, b| s::dot_q5_0(a, b), bl, row),
+        QData::Q5_1(bl) => sweep!(|a, b| s::dot_q5_1(a, b), bl, row),
+        QData::Q4_1(_) | QData::Q8_0(_) => unreachable!("Q4_1 and Q8_0 have their own sweeps"),
     }
 }
 
@@ -311,6 +476,7 @@ unsafe fn single_column(be: Backend, w: &QMatrix<'_>, r0: usize, r1: usize, x: &
         (Backend::Avx512, QData::Q8_0(blocks)) => run!(dot_pairs_ahead::<BlockQ8_0, 4, 1>, dot_q8_0, blocks),
         (_, QData::Q4_1(blocks)) => run!(dot_q4_1_rows4, dot_q4_1, blocks),
         (_, QData::Q8_0(blocks)) => run!(dot_q8_0_rows4, dot_q8_0, blocks),
+        _ => unreachable!("only Q4_1 and Q8_0 take the single-column path"),
     }
 }
 
@@ -354,6 +520,40 @@ mod tests {
                         run(*be) == want,
                         "{be:?} differs from the scalar reference: {kind} {rows}x{cols}, batch {batch}"
                     );
+                }
+            }
+        }
+    }
+
+    /// The K-quant and 5-bit products: every backend gives the scalar
+    /// bits, for batches with remainders, with both activation forms made.
+    #[test]
+    fn k_quant_products_give_the_scalar_bits_on_every_backend() {
+        use crate::kdot::tests::random_blocks;
+        let pool = Pool::new(2);
+        let mut rng = Rng::new(17);
+        let (rows, cols) = (13usize, 512usize);
+        let q4k: Vec<BlockQ4K> = random_blocks(&mut rng, rows * 2, &[0, 2]);
+        let q6k: Vec<BlockQ6K> = random_blocks(&mut rng, rows * 2, &[208]);
+        let q5k: Vec<BlockQ5K> = random_blocks(&mut rng, rows * 2, &[0, 2]);
+        let q50: Vec<BlockQ5_0> = random_blocks(&mut rng, rows * 16, &[0]);
+        let q51: Vec<BlockQ5_1> = random_blocks(&mut rng, rows * 16, &[0, 2]);
+        let datas = [QData::Q4K(&q4k), QData::Q6K(&q6k), QData::Q5K(&q5k), QData::Q5_0(&q50), QData::Q5_1(&q51)];
+        for data in datas {
+            let m = QMatrix { rows, cols, data };
+            for batch in [1usize, 5, 9] {
+                let x = rng.normal_vec(batch * cols);
+                let run = |be: Backend| {
+                    let mut qa = QActs::default();
+                    quantize_acts(be, &pool, &x, batch, cols, &acts_for(&[&m]), &mut qa);
+                    let mut out = vec![f32::NAN; batch * rows];
+                    matmul(be, &pool, &m, &qa, &mut out);
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                };
+                let want = run(Backend::Scalar);
+                assert!(want.iter().all(|b| !f32::from_bits(*b).is_nan()), "{} left a cell unwritten", m.kind());
+                for be in [Backend::Avx2, Backend::Avx512].into_iter().filter(|b| b.runs_here()) {
+                    assert!(run(be) == want, "{be:?} differs from scalar: {} batch {batch}", m.kind());
                 }
             }
         }
