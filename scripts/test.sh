@@ -20,6 +20,7 @@ PDMESH_CONSUL_BIN="$(bash scripts/gotool.sh consul)"
 export PDMESH_JAEGER_BIN PDMESH_REQUIRE_JAEGER=1 PDMESH_CONSUL_BIN PDMESH_REQUIRE_CONSUL=1
 cargo build --release --workspace --all-targets
 ./target/release/pdmesh-engine fetch
+./target/release/pdmesh-engine fetch gemma3-270m
 log=$(mktemp)
 # Tests that cannot run here (no namespaces, no GPU) write why to this file
 # (pdmesh_testkit::skip); they are counted as skipped, not passed.

@@ -12,6 +12,39 @@ pub fn silu_mul_be(be: crate::Backend, gate: &mut [f32], up: &[f32]) {
     crate::ggml_ref::silu_mul(gate, up)
 }
 
+/// GGML's tanh-approximated GELU of one value.
+fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const GELU_COEF_A: f32 = 0.044715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+}
+
+/// GGML's table of GELU over every f16 input, rounded to f16 (the CPU
+/// backend's `ggml_table_gelu_f16`), as f32.
+fn gelu_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX).map(|bits| crate::quant::round_f16(gelu(half::f16::from_bits(bits).to_f32()))).collect()
+    })
+}
+
+/// GeGLU as GGML's CPU backend computes it: `gate[i] = gelu(gate[i]) *
+/// up[i]`, GELU read from the f16 table at the input rounded to f16 (0
+/// below -10, the identity above 10).
+pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len());
+    let table = gelu_table();
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = if *g <= -10.0 {
+            0.0
+        } else if *g >= 10.0 {
+            *g * u
+        } else {
+            table[half::f16::from_f32(*g).to_bits() as usize] * u
+        };
+    }
+}
+
 /// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
@@ -49,6 +82,25 @@ mod tests {
             assert!((x - y).abs() < 1e-6);
         }
         assert!(a[2] > a[1] && a[1] > a[0]);
+    }
+
+    #[test]
+    fn gelu_mul_is_gelu_within_f16_rounding() {
+        let xs = [-12.0f32, -3.0, -0.5, 0.0, 0.25, 1.0, 2.5, 11.0];
+        let mut g = xs.to_vec();
+        gelu_mul(&mut g, &[2.0; 8]);
+        for (x, got) in xs.iter().zip(&g) {
+            let exact = 2.0 * 0.5 * x * (1.0 + libm_erf_free_gelu(*x));
+            assert!((got - exact).abs() <= 2e-3 * exact.abs().max(1.0), "{x}: {got} vs {exact}");
+        }
+        assert_eq!(g[0], 0.0);
+        assert_eq!(g[7], 22.0);
+    }
+
+    /// tanh(√(2/π)(x + 0.044715x³)) in f64.
+    fn libm_erf_free_gelu(x: f32) -> f32 {
+        let x = x as f64;
+        ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh() as f32
     }
 
     #[test]

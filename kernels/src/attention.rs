@@ -50,8 +50,25 @@ pub fn attend_group(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_window(be, q, kv, 0..n_kv, scale, order, scores, out)
+}
+
+/// [`attend_group`] where only positions `visible` (a sliding window's
+/// `first..n_kv`) are seen: the others are masked, as llama.cpp masks them.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_window(
+    be: Backend,
+    q: &[f32],
+    kv: KvView<'_>,
+    visible: std::ops::Range<usize>,
+    scale: f32,
+    order: SumOrder,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (first, n_kv) = (visible.start, visible.end);
+    assert!(first < n_kv, "attention over an empty window");
     let (hd, stride) = (kv.head_dim, kv.stride);
-    assert!(n_kv > 0, "attention over an empty context");
     assert!(n_kv <= stride && stride % VALUE_PAD == 0, "value stride must cover n_kv and be a multiple of {VALUE_PAD}");
     assert!(kv.keys.len() >= n_kv * hd && kv.values_t.len() >= hd * stride);
     assert_eq!(q.len(), out.len());
@@ -65,7 +82,7 @@ pub fn attend_group(
         // Masked positions are -inf, so they come out of the softmax as 0.
         scores.clear();
         scores.resize(stride, f32::NEG_INFINITY);
-        for (j, s) in scores[..n_kv].iter_mut().enumerate() {
+        for (j, s) in scores[..n_kv].iter_mut().enumerate().skip(first) {
             *s = dot_in_order(be, order, &kv.keys[j * hd..(j + 1) * hd], qr) * scale;
         }
         softmax_in_order(be, scores);
@@ -73,6 +90,56 @@ pub fn attend_group(
         for (d, o) in oh.iter_mut().enumerate() {
             *o = dot_in_order(be, order, &kv.values_t[d * stride..(d + 1) * stride], scores);
         }
+    }
+}
+
+/// Attention as llama.cpp's CPU flash-attention kernel computes it for one
+/// query row (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`): the
+/// query rounded to f16, each key's dot product in `ggml_vec_dot_f16`'s
+/// order, an online softmax (`expf`), and the weighted values summed in an
+/// f16 accumulator (rounded after every position), divided by the sum at
+/// the end. `keys` and `values` are `[position][head_dim]`; `q` and `out`
+/// hold `group` heads; positions `visible` are seen.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_flash(
+    be: Backend,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    head_dim: usize,
+    visible: std::ops::Range<usize>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = head_dim;
+    assert!(visible.start < visible.end, "attention over an empty window");
+    assert!(keys.len() >= visible.end * hd && values.len() >= visible.end * hd && hd.is_multiple_of(32) && hd <= 256);
+    assert_eq!(q.len(), out.len());
+    let mut qh16 = [0f32; 256];
+    let mut acc = [0f32; 256];
+    for (qh, oh) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
+        let qr = &mut qh16[..hd];
+        qr.iter_mut().zip(qh).for_each(|(r, v)| *r = round_f16(*v));
+        let acc = &mut acc[..hd];
+        acc.fill(0.0);
+        let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+        for j in visible.clone() {
+            let s = dot_in_order(be, SumOrder::VecDot, &keys[j * hd..(j + 1) * hd], qr) * scale;
+            let (mut ms, mut vs) = (1f32, 1f32);
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+                acc.iter_mut().for_each(|a| *a = round_f16(*a * ms));
+            } else {
+                vs = (s - m).exp();
+            }
+            for (a, v) in acc.iter_mut().zip(&values[j * hd..(j + 1) * hd]) {
+                *a = round_f16(v.mul_add(vs, *a));
+            }
+            sum = sum.mul_add(ms, vs);
+        }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        oh.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = a * inv);
     }
 }
 

@@ -314,13 +314,12 @@ pub mod avx2 {
                 let d = y.d * xd;
                 let mut sumi = _mm256_setzero_si256();
                 for j in 0..2 {
-                    let mut p = [_mm256_setzero_si256(); 4];
-                    for t in 0..4 {
+                    let p: [__m256i; 4] = std::array::from_fn(|t| {
                         let g = 4 * j + t;
                         let q8 = _mm256_loadu_si256(y.qs.as_ptr().add(32 * g) as *const __m256i);
                         let p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[g], q8), _mm256_maddubs_epi16(m32s, q8));
-                        p[t] = _mm256_madd_epi16(sc[g], p16);
-                    }
+                        _mm256_madd_epi16(sc[g], p16)
+                    });
                     sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
                     sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
                 }

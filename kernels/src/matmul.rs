@@ -420,22 +420,22 @@ unsafe fn row_sweep(
     if be.has_avx2() {
         use kdot::avx2 as v;
         match w.data {
-            QData::Q4K(bl) => return sweep!(|a, b| v::dot_q4_k(a, b), bl, krow),
-            QData::Q6K(bl) => return sweep!(|a, b| v::dot_q6_k(a, b), bl, krow),
-            QData::Q5_0(bl) => return sweep!(|a, b| v::dot_q5_0(a, b), bl, row),
+            QData::Q4K(bl) => return sweep!(v::dot_q4_k, bl, krow),
+            QData::Q6K(bl) => return sweep!(v::dot_q6_k, bl, krow),
+            QData::Q5_0(bl) => return sweep!(v::dot_q5_0, bl, row),
             _ => {}
         }
     }
     let _ = be;
     use kdot::scalar as s;
     match w.data {
-        QData::Q4K(bl) => sweep!(|a, b| s::dot_q4_k(a, b), bl, krow),
-        QData::Q6K(bl) => sweep!(|a, b| s::dot_q6_k(a, b), bl, krow),
-        QData::Q5K(bl) => sweep!(|a, b| s::dot_q5_k(a, b), bl, krow),
-        QData::Q3K(bl) => sweep!(|a, b| s::dot_q3_k(a, b), bl, krow),
-        QData::Q2K(bl) => sweep!(|a, b| s::dot_q2_k(a, b), bl, krow),
-        QData::Q5_0(bl) => sweep!(|a, b| s::dot_q5_0(a, b), bl, row),
-        QData::Q5_1(bl) => sweep!(|a, b| s::dot_q5_1(a, b), bl, row),
+        QData::Q4K(bl) => sweep!(s::dot_q4_k, bl, krow),
+        QData::Q6K(bl) => sweep!(s::dot_q6_k, bl, krow),
+        QData::Q5K(bl) => sweep!(s::dot_q5_k, bl, krow),
+        QData::Q3K(bl) => sweep!(s::dot_q3_k, bl, krow),
+        QData::Q2K(bl) => sweep!(s::dot_q2_k, bl, krow),
+        QData::Q5_0(bl) => sweep!(s::dot_q5_0, bl, row),
+        QData::Q5_1(bl) => sweep!(s::dot_q5_1, bl, row),
         QData::Q4_1(_) | QData::Q8_0(_) => unreachable!("Q4_1 and Q8_0 have their own sweeps"),
     }
 }

@@ -23,6 +23,25 @@ pub fn rope_row(row: &mut [f32], head_dim: usize, dims: usize, pos: usize, base:
     }
 }
 
+/// RoPE in GGML's NEOX mode: `(x[i], x[i + dims/2])` rotate by
+/// `pos * base^(-2i/dims)` (Gemma, Qwen and others), the same angles and
+/// arithmetic as [`rope_row`] otherwise.
+pub fn rope_row_neox(row: &mut [f32], head_dim: usize, dims: usize, pos: usize, base: f32) {
+    let theta_scale = base.powf(-2.0 / dims as f32);
+    let half = dims / 2;
+    for head in row.chunks_exact_mut(head_dim) {
+        let mut theta = pos as f32;
+        for i in 0..half {
+            let (s, c) = theta.sin_cos();
+            let x0 = head[i];
+            let x1 = head[i + half];
+            head[i] = x0.mul_add(c, -(x1 * s));
+            head[i + half] = x0.mul_add(s, x1 * c);
+            theta *= theta_scale;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -46,6 +65,13 @@ mod tests {
         let mut q = a.clone();
         rope_row(&mut q, 64, 64, 17, 10000.0);
         assert!((dot(&q, &q) - dot(&a, &a)).abs() < 1e-3);
+        // NEOX pairs are the normal pairs of a permuted row.
+        let perm = |v: &[f32]| -> Vec<f32> { (0..32).flat_map(|i| [v[i], v[i + 32]]).collect() };
+        let mut n = a.clone();
+        rope_row_neox(&mut n, 64, 64, 23, 10000.0);
+        let mut p = perm(&a);
+        rope_row(&mut p, 64, 64, 23, 10000.0);
+        assert_eq!(perm(&n), p);
         // Position 0 is the identity.
         let mut z = a.clone();
         rope_row(&mut z, 64, 64, 0, 10000.0);

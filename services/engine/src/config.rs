@@ -20,45 +20,75 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub bos_id: u32,
     pub eos_id: u32,
+    /// How each layer attends: its window and RoPE base (the architecture
+    /// file fills these in; a plain model has every layer global).
+    pub layers: Vec<LayerAttn>,
+}
+
+/// One layer's attention: how far back it sees and its RoPE base.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct LayerAttn {
+    /// A query at position p sees keys at p - window + 1 ..= p; `None`:
+    /// every earlier position (a global layer).
+    pub window: Option<usize>,
+    pub rope_base: f32,
 }
 
 impl ModelConfig {
+    /// The hyper-parameters every architecture shares, read from the
+    /// `{arch}.*` keys; the architecture's own file adjusts the rest.
     pub fn from_gguf(g: &Gguf) -> Result<ModelConfig> {
         let arch = g.get_str("general.architecture")?.to_string();
-        if arch != "llama" {
-            return Err(EngineError::Unsupported(format!("architecture {arch:?} (only llama is implemented)")));
-        }
         let k = |s: &str| format!("{arch}.{s}");
         let n_embd = g.get_u64(&k("embedding_length"))? as usize;
         let n_heads = g.get_u64(&k("attention.head_count"))? as usize;
         let n_kv_heads = g.get_u64(&k("attention.head_count_kv")).unwrap_or(n_heads as u64) as usize;
-        if n_heads == 0 || !n_embd.is_multiple_of(n_heads) || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+        if n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(EngineError::Unsupported(format!("{n_heads} heads over {n_kv_heads} KV heads")));
+        }
+        let head_dim = match g.get_u64(&k("attention.key_length")) {
+            Ok(v) => v as usize,
+            Err(_) if n_embd.is_multiple_of(n_heads) => n_embd / n_heads,
+            Err(_) => return Err(EngineError::Unsupported(format!("{n_heads} heads over width {n_embd}"))),
+        };
+        if g.get_u64(&k("attention.value_length")).is_ok_and(|v| v as usize != head_dim) {
+            return Err(EngineError::Unsupported("value heads of another size than key heads".into()));
+        }
+        if head_dim == 0 || head_dim > 256 || !head_dim.is_multiple_of(32) {
             return Err(EngineError::Unsupported(format!(
-                "{n_heads} heads / {n_kv_heads} KV heads over width {n_embd}"
+                "head size {head_dim} (attention takes multiples of 32 up to 256)"
             )));
         }
-        let head_dim = n_embd / n_heads;
         let vocab_size = match g.get_u64(&k("vocab_size")) {
             Ok(v) => v as usize,
             Err(_) => g.get_str_array("tokenizer.ggml.tokens")?.len(),
         };
+        let n_layers = g.get_u64(&k("block_count"))? as usize;
+        let rope_base = g.get_f32(&k("rope.freq_base")).unwrap_or(10000.0);
         Ok(ModelConfig {
             name: g.get_str("general.name").unwrap_or("unknown").to_string(),
-            n_layers: g.get_u64(&k("block_count"))? as usize,
+            n_layers,
             n_embd,
             n_ff: g.get_u64(&k("feed_forward_length"))? as usize,
             n_heads,
             n_kv_heads,
             head_dim,
             rope_dims: g.get_u64(&k("rope.dimension_count")).map(|v| v as usize).unwrap_or(head_dim),
-            rope_base: g.get_f32(&k("rope.freq_base")).unwrap_or(10000.0),
+            rope_base,
             rms_eps: g.get_f32(&k("attention.layer_norm_rms_epsilon"))?,
             vocab_size,
             context_length: g.get_u64(&k("context_length"))? as usize,
             bos_id: g.get_u64("tokenizer.ggml.bos_token_id").unwrap_or(1) as u32,
             eos_id: g.get_u64("tokenizer.ggml.eos_token_id").unwrap_or(2) as u32,
+            layers: vec![LayerAttn { window: None, rope_base }; n_layers],
             arch,
         })
+    }
+
+    /// Width of all query heads together (`n_embd` in llama; Gemma 3's
+    /// heads are wider than its embedding).
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
     }
 
     /// Query heads per KV head.

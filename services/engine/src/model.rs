@@ -1,6 +1,10 @@
-//! Llama forward pass over a batch of sequence chunks.
+//! The forward pass over a batch of sequence chunks, and the layers every
+//! architecture is built from.
 //!
-//! All tokens of a batch (prompt chunks and single decode tokens alike) are
+//! Each architecture has one file (`model/llama.rs`, `model/gemma3.rs`):
+//! its hyper-parameters, tensor names and layer graph, over the shared
+//! steps here (norms, projections, RoPE and the KV write, attention, the
+//! feed-forward); `model/arch.rs` is the table that names them. All tokens of a batch (prompt chunks and single decode tokens alike) are
 //! stacked into one activation matrix, so every weight is read once per step
 //! whatever the batch; attention runs per sequence against the paged cache.
 //! Each token's arithmetic is independent of its neighbours in the batch, so
@@ -13,19 +17,24 @@ use memmap2::Mmap;
 use std::path::Path;
 
 pub use pdmesh_kernels::attention::SumOrder;
-use pdmesh_kernels::attention::{attend_group, KvView, VALUE_PAD};
-use pdmesh_kernels::matmul::{matmul, matmul_many, quantize_rows, QActs, QData, QMatrix};
+use pdmesh_kernels::attention::{attend_flash, attend_window, KvView, VALUE_PAD};
+use pdmesh_kernels::formats::WeightError;
+use pdmesh_kernels::matmul::{acts_for, matmul_many, quantize_acts, QActs, QData, QMatrix};
 use pdmesh_kernels::pool::{Pool, SyncPtr};
-use pdmesh_kernels::quant::{cast_blocks, dequantize_q4_1, dequantize_q8_0, BlockQ4_1, BlockQ8_0, QK};
-use pdmesh_kernels::{activation, norm, rope, Backend};
+use pdmesh_kernels::{norm, rope, Backend};
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::gguf::{Gguf, TensorType};
 use crate::kv::KvCache;
 
+pub mod arch;
 pub mod cuda;
+mod gemma3;
+mod llama;
 pub mod reference;
+
+pub use arch::ArchDef;
 
 /// A quantized matrix (rows = output features) living in the model file's
 /// memory map: weights are never copied, so resident memory holds them once.
@@ -44,42 +53,29 @@ impl Weight {
         if info.dims.len() != 2 || info.dims[0] as usize != cols || info.dims[1] as usize != rows {
             return Err(bad(format!("shape {:?}, expected [{cols}, {rows}]", info.dims)));
         }
-        if !cols.is_multiple_of(QK) {
-            return Err(bad(format!("row length {cols} is not a multiple of {QK}")));
-        }
-        let bytes = g.tensor_bytes(info);
-        let aligned = match info.ty {
-            TensorType::Q4_1 => cast_blocks::<BlockQ4_1>(bytes).is_some(),
-            TensorType::Q8_0 => cast_blocks::<BlockQ8_0>(bytes).is_some(),
-            other => {
-                return Err(EngineError::Unsupported(format!(
-                    "tensor {name} has type {other:?}; matmuls support Q4_1 and Q8_0"
-                )))
+        match QData::from_bytes(info.ty, g.tensor_bytes(info)) {
+            Ok(q) if cols.is_multiple_of(q.block_len()) => {}
+            Ok(q) => {
+                return Err(bad(format!("row length {cols} is not a multiple of {}'s {}", info.ty, q.block_len())))
             }
-        };
-        if !aligned {
-            return Err(bad("data is misaligned".into()));
+            Err(WeightError::Misaligned) => return Err(bad("data is misaligned".into())),
+            Err(WeightError::Unsupported(t)) => return Err(EngineError::Unsupported(format!(
+                "tensor {name} has type {t}; the matmuls take Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K"
+            ))),
         }
         let start = info.offset as usize;
         Ok(Weight { rows, cols, ty: info.ty, map: g.map(), range: start..start + info.size as usize })
     }
 
     pub fn matrix(&self) -> QMatrix<'_> {
-        let bytes = &self.map[self.range.clone()];
-        // Alignment and length were checked at load.
-        let data = match self.ty {
-            TensorType::Q4_1 => QData::Q4_1(cast_blocks(bytes).expect("checked at load")),
-            _ => QData::Q8_0(cast_blocks(bytes).expect("checked at load")),
-        };
+        // Type, alignment and length were checked at load.
+        let data = QData::from_bytes(self.ty, &self.map[self.range.clone()]).expect("checked at load");
         QMatrix { rows: self.rows, cols: self.cols, data }
     }
 
     fn dequant_row(&self, r: usize, out: &mut [f32]) {
-        let nb = self.cols / QK;
-        match self.matrix().data {
-            QData::Q4_1(b) => dequantize_q4_1(&b[r * nb..(r + 1) * nb], out),
-            QData::Q8_0(b) => dequantize_q8_0(&b[r * nb..(r + 1) * nb], out),
-        }
+        let q = self.matrix().data;
+        q.dequantize(r * self.cols / q.block_len(), out);
     }
 
     fn bytes(&self) -> usize {
@@ -98,7 +94,10 @@ fn load_f32(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
     Ok(g.tensor_bytes(info).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-struct Layer {
+/// One layer's weights. `q_norm` .. `post_ffn_norm` are the extra norms
+/// some architectures have (Gemma 3: per-head RMS norms of Q and K, and
+/// norms of the attention and feed-forward outputs).
+pub(crate) struct Layer {
     attn_norm: Vec<f32>,
     wq: Weight,
     wk: Weight,
@@ -108,10 +107,47 @@ struct Layer {
     w_gate: Weight,
     w_up: Weight,
     w_down: Weight,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
+}
+
+impl Layer {
+    /// The weights every architecture here has, under GGUF's names.
+    fn load_common(g: &Gguf, c: &ModelConfig, i: usize) -> Result<Layer> {
+        let (d, qd, kvd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff);
+        let n = |s: &str| format!("blk.{i}.{s}.weight");
+        Ok(Layer {
+            attn_norm: load_f32(g, &n("attn_norm"), d)?,
+            wq: Weight::load(g, &n("attn_q"), qd, d)?,
+            wk: Weight::load(g, &n("attn_k"), kvd, d)?,
+            wv: Weight::load(g, &n("attn_v"), kvd, d)?,
+            wo: Weight::load(g, &n("attn_output"), d, qd)?,
+            ffn_norm: load_f32(g, &n("ffn_norm"), d)?,
+            w_gate: Weight::load(g, &n("ffn_gate"), ff, d)?,
+            w_up: Weight::load(g, &n("ffn_up"), ff, d)?,
+            w_down: Weight::load(g, &n("ffn_down"), d, ff)?,
+            q_norm: None,
+            k_norm: None,
+            post_attn_norm: None,
+            post_ffn_norm: None,
+        })
+    }
+
+    fn matrices(&self) -> [&Weight; 7] {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
+    }
+
+    fn norm_values(&self) -> usize {
+        let extra = [&self.q_norm, &self.k_norm, &self.post_attn_norm, &self.post_ffn_norm];
+        self.attn_norm.len() + self.ffn_norm.len() + extra.iter().map(|n| n.as_ref().map_or(0, Vec::len)).sum::<usize>()
+    }
 }
 
 pub struct Model {
     pub config: ModelConfig,
+    arch: &'static ArchDef,
     layers: Vec<Layer>,
     tok_embd: Weight,
     output_norm: Vec<f32>,
@@ -166,6 +202,8 @@ pub struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// Room for a norm that writes over its input.
+    tmp: Vec<f32>,
     qa: QActs,
 }
 
@@ -223,6 +261,15 @@ impl Kernels {
     }
 }
 
+/// One forward step's state, handed to each layer of the graph.
+pub(crate) struct Step<'a, 'b> {
+    pool: &'a Pool,
+    kv: &'a mut KvCache,
+    batch: &'a [BatchItem<'b>],
+    s: &'a mut Scratch,
+    kn: Kernels,
+}
+
 impl Model {
     pub fn load(path: &Path) -> Result<(Model, Gguf)> {
         let g = Gguf::open(path)?;
@@ -231,37 +278,33 @@ impl Model {
     }
 
     pub fn from_gguf(g: &Gguf) -> Result<Model> {
-        let c = ModelConfig::from_gguf(g)?;
-        let (d, kvd, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
+        let mut c = ModelConfig::from_gguf(g)?;
+        let arch = arch::find(&c.arch)?;
+        (arch.hparams)(g, &mut c)?;
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
-            let n = |s: &str| format!("blk.{i}.{s}.weight");
-            layers.push(Layer {
-                attn_norm: load_f32(g, &n("attn_norm"), d)?,
-                wq: Weight::load(g, &n("attn_q"), d, d)?,
-                wk: Weight::load(g, &n("attn_k"), kvd, d)?,
-                wv: Weight::load(g, &n("attn_v"), kvd, d)?,
-                wo: Weight::load(g, &n("attn_output"), d, d)?,
-                ffn_norm: load_f32(g, &n("ffn_norm"), d)?,
-                w_gate: Weight::load(g, &n("ffn_gate"), ff, d)?,
-                w_up: Weight::load(g, &n("ffn_up"), ff, d)?,
-                w_down: Weight::load(g, &n("ffn_down"), d, ff)?,
-            });
+            layers.push((arch.load_layer)(g, &c, i)?);
         }
-        let tok_embd = Weight::load(g, "token_embd.weight", c.vocab_size, d)?;
+        let tok_embd = Weight::load(g, "token_embd.weight", c.vocab_size, c.n_embd)?;
         let output = match g.tensors.contains_key("output.weight") {
-            true => Some(Weight::load(g, "output.weight", c.vocab_size, d)?),
+            true => Some(Weight::load(g, "output.weight", c.vocab_size, c.n_embd)?),
             false => None,
         };
         Ok(Model {
-            output_norm: load_f32(g, "output_norm.weight", d)?,
+            output_norm: load_f32(g, "output_norm.weight", c.n_embd)?,
             config: c,
+            arch,
             layers,
             tok_embd,
             output,
             backend: Backend::detect(),
             dump_dir: None,
         })
+    }
+
+    /// The architecture's entry in the table (`model/arch.rs`).
+    pub fn arch(&self) -> &'static ArchDef {
+        self.arch
     }
 
     /// Debugging only: write every layer's intermediate tensors of each
@@ -276,10 +319,7 @@ impl Model {
         let l: usize = self
             .layers
             .iter()
-            .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|w| w.bytes()).sum::<usize>()
-                    + (l.attn_norm.len() + l.ffn_norm.len()) * 4
-            })
+            .map(|l| l.matrices().iter().map(|w| w.bytes()).sum::<usize>() + l.norm_values() * 4)
             .sum();
         l + self.tok_embd.bytes() + self.output.as_ref().map_or(0, |w| w.bytes()) + self.output_norm.len() * 4
     }
@@ -316,11 +356,11 @@ impl Model {
         self.check_batch(kv, batch)?;
         self.embed(batch, n_tok, s);
         let kn = Kernels { on: opts.kernel_spans, be: self.backend, threads: pool.threads(), rows: n_tok };
+        let mut st = Step { pool, kv, batch, s, kn };
         for (li, layer) in self.layers.iter().enumerate() {
-            self.attention_block(pool, kv, batch, li, layer, s, &kn);
-            self.ffn_block(pool, li, layer, s, &kn);
+            (self.arch.layer)(self, &mut st, li, layer);
         }
-        self.output_head(pool, batch, s, &kn)
+        self.output_head(pool, batch, st.s, &kn)
     }
 
     fn check_batch(&self, kv: &KvCache, batch: &[BatchItem<'_>]) -> Result<()> {
@@ -339,10 +379,11 @@ impl Model {
         Ok(())
     }
 
-    /// Embed every token of the batch into `s.x`, and size the scratch.
+    /// Embed every token of the batch into `s.x` (times the architecture's
+    /// embedding scale), and size the scratch.
     fn embed(&self, batch: &[BatchItem<'_>], n_tok: usize, s: &mut Scratch) {
         let c = &self.config;
-        let (d, kvd, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
+        let (d, qd, kvd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff);
         s.x.resize(n_tok * d, 0.0);
         let mut row = 0;
         for item in batch {
@@ -351,8 +392,11 @@ impl Model {
                 row += 1;
             }
         }
+        if let Some(scale) = (self.arch.embd_scale)(c) {
+            s.x.iter_mut().for_each(|v| *v *= scale);
+        }
         for (buf, width) in
-            [(&mut s.xn, d), (&mut s.q, d), (&mut s.k, kvd), (&mut s.v, kvd), (&mut s.att, d), (&mut s.proj, d)]
+            [(&mut s.xn, d), (&mut s.q, qd), (&mut s.k, kvd), (&mut s.v, kvd), (&mut s.att, qd), (&mut s.proj, d)]
         {
             buf.resize(n_tok * width, 0.0);
         }
@@ -367,77 +411,133 @@ impl Model {
         }
     }
 
-    /// Norm, Q/K/V projections, RoPE and the KV write, attention, output
-    /// projection and the residual add.
-    fn attention_block(
-        &self,
-        pool: &Pool,
-        kv: &mut KvCache,
-        batch: &[BatchItem<'_>],
-        li: usize,
-        layer: &Layer,
-        s: &mut Scratch,
-        kn: &Kernels,
-    ) {
-        let c = &self.config;
-        let (be, n_tok) = (self.backend, kn.rows);
-        let (d, kvd, hd) = (c.n_embd, c.kv_dim(), c.head_dim);
-        kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, &layer.attn_norm, c.rms_eps, &mut s.xn));
-        self.dump("attn_norm", li, &s.xn);
-        kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa));
-        let qkv = [&layer.wq.matrix(), &layer.wk.matrix(), &layer.wv.matrix()];
-        kn.run("matmul_qkv", li, d + 2 * kvd, d, || matmul_many(be, pool, qkv, &s.qa, [&mut s.q, &mut s.k, &mut s.v]));
-        kn.run("rope_kv_write", li, d + kvd, hd, || self.rope_and_write(kv, batch, li, s));
-        self.dump("Qcur", li, &s.q);
-        self.dump("Kcur", li, &s.k);
-        self.dump("Vcur", li, &s.v);
-        let longest = batch.iter().map(|b| b.start_pos + b.tokens.len()).max().unwrap_or(0);
-        kn.run("attention", li, d, longest, || self.attention(pool, kv, batch, li, &s.q, &mut s.att));
-        self.dump("kqv_out", li, &s.att);
-        kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.att, n_tok, d, &mut s.qa));
-        kn.run("matmul_o", li, d, d, || matmul(be, pool, &layer.wo.matrix(), &s.qa, &mut s.proj));
-        self.dump("attn_out", li, &s.proj);
-        s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
-        self.dump("ffn_inp", li, &s.x);
+    // The shared steps the architecture files build their layers from.
+
+    /// `s.xn = rms_norm(s.x) * w`.
+    fn norm_in(&self, st: &mut Step<'_, '_>, li: usize, w: &[f32]) {
+        let (s, eps, d) = (&mut *st.s, self.config.rms_eps, self.config.n_embd);
+        st.kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, w, eps, &mut s.xn));
     }
 
-    /// RoPE on this step's queries and keys; keys and values into the cache.
-    fn rope_and_write(&self, kv: &mut KvCache, batch: &[BatchItem<'_>], li: usize, s: &mut Scratch) {
-        let c = &self.config;
-        let (d, kvd, hd) = (c.n_embd, c.kv_dim(), c.head_dim);
-        let mut row = 0;
-        for item in batch {
-            for i in 0..item.tokens.len() {
-                let pos = item.start_pos + i;
-                rope::rope_row(&mut s.q[row * d..(row + 1) * d], hd, c.rope_dims, pos, c.rope_base);
-                rope::rope_row(&mut s.k[row * kvd..(row + 1) * kvd], hd, c.rope_dims, pos, c.rope_base);
-                for h in 0..c.n_kv_heads {
-                    kv.write(item.blocks, li, 0, h, pos, &s.k[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
-                    kv.write(item.blocks, li, 1, h, pos, &s.v[row * kvd + h * hd..row * kvd + (h + 1) * hd]);
-                }
-                row += 1;
-            }
+    /// `v = rms_norm(v) * w` in place, over rows of `w.len()` (a whole
+    /// embedding, or one head).
+    fn norm_over(kn: &Kernels, li: usize, v: &mut Vec<f32>, tmp: &mut Vec<f32>, w: &[f32], eps: f32) {
+        tmp.resize(v.len(), 0.0);
+        kn.run("rms_norm", li, w.len(), w.len(), || norm::rms_norm(v, w, eps, tmp));
+        std::mem::swap(v, tmp);
+    }
+
+    /// Products of `x` (rows of `cols`) with weights sharing those inputs,
+    /// in one parallel loop; activations quantized as the weights need.
+    fn project<const N: usize>(
+        &self,
+        st: &mut Step<'_, '_>,
+        (li, name): (usize, &'static str),
+        x: &[f32],
+        ws: [&Weight; N],
+        outs: [&mut [f32]; N],
+    ) {
+        let (be, pool, n_tok) = (self.backend, st.pool, st.kn.rows);
+        let ms = ws.map(|w| w.matrix());
+        let refs: [&QMatrix<'_>; N] = std::array::from_fn(|i| &ms[i]);
+        let cols = ms[0].cols;
+        let n: usize = ms.iter().map(|m| m.rows).sum();
+        let qa = &mut st.s.qa;
+        st.kn.run("quantize_q8", li, cols, cols, || quantize_acts(be, pool, x, n_tok, cols, &acts_for(&refs), qa));
+        st.kn.run(name, li, n, cols, || matmul_many(be, pool, refs, qa, outs));
+    }
+
+    /// Q, K and V of the normed input `s.xn`.
+    fn qkv(&self, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
+        let s = &mut *st.s;
+        let (xn, q, k, v) =
+            (std::mem::take(&mut s.xn), std::mem::take(&mut s.q), std::mem::take(&mut s.k), std::mem::take(&mut s.v));
+        let (mut q, mut k, mut v) = (q, k, v);
+        self.project(st, (li, "matmul_qkv"), &xn, [&l.wq, &l.wk, &l.wv], [&mut q, &mut k, &mut v]);
+        let s = &mut *st.s;
+        (s.xn, s.q, s.k, s.v) = (xn, q, k, v);
+    }
+
+    /// Per-head RMS norms of this step's queries and keys (Gemma 3).
+    fn qk_norms(&self, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
+        let s = &mut *st.s;
+        let eps = self.config.rms_eps;
+        if let Some(w) = &l.q_norm {
+            Self::norm_over(&st.kn, li, &mut s.q, &mut s.tmp, w, eps);
+        }
+        if let Some(w) = &l.k_norm {
+            Self::norm_over(&st.kn, li, &mut s.k, &mut s.tmp, w, eps);
         }
     }
 
-    /// Norm, gate and up projections, SwiGLU, down projection and the residual add.
-    fn ffn_block(&self, pool: &Pool, li: usize, layer: &Layer, s: &mut Scratch, kn: &Kernels) {
+    /// RoPE on this step's queries and keys (at the layer's base); keys and
+    /// values into the cache.
+    fn rope_and_write(&self, st: &mut Step<'_, '_>, li: usize, neox: bool) {
         let c = &self.config;
-        let (be, n_tok) = (self.backend, kn.rows);
-        let (d, ff) = (c.n_embd, c.n_ff);
-        kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, &layer.ffn_norm, c.rms_eps, &mut s.xn));
-        kn.run("quantize_q8", li, d, d, || quantize_rows(be, pool, &s.xn, n_tok, d, &mut s.qa));
-        let gate_up = [&layer.w_gate.matrix(), &layer.w_up.matrix()];
-        kn.run("matmul_gate_up", li, 2 * ff, d, || matmul_many(be, pool, gate_up, &s.qa, [&mut s.gate, &mut s.up]));
-        self.dump("ffn_gate", li, &s.gate);
-        self.dump("ffn_up", li, &s.up);
-        kn.run("silu_mul", li, ff, ff, || activation::silu_mul_be(be, &mut s.gate, &s.up));
-        self.dump("ffn_swiglu", li, &s.gate);
-        kn.run("quantize_q8", li, ff, ff, || quantize_rows(be, pool, &s.gate, n_tok, ff, &mut s.qa));
-        kn.run("matmul_down", li, d, ff, || matmul(be, pool, &layer.w_down.matrix(), &s.qa, &mut s.proj));
-        self.dump("ffn_out", li, &s.proj);
+        let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+        let base = c.layers[li].rope_base;
+        let rope = if neox { rope::rope_row_neox } else { rope::rope_row };
+        let (s, kv) = (&mut *st.s, &mut *st.kv);
+        st.kn.run("rope_kv_write", li, qd + kvd, hd, || {
+            let mut row = 0;
+            for item in st.batch {
+                for i in 0..item.tokens.len() {
+                    let pos = item.start_pos + i;
+                    rope(&mut s.q[row * qd..(row + 1) * qd], hd, c.rope_dims, pos, base);
+                    rope(&mut s.k[row * kvd..(row + 1) * kvd], hd, c.rope_dims, pos, base);
+                    for h in 0..c.n_kv_heads {
+                        let at = row * kvd + h * hd..row * kvd + (h + 1) * hd;
+                        kv.write(item.blocks, li, 0, h, pos, &s.k[at.clone()]);
+                        kv.write(item.blocks, li, 1, h, pos, &s.v[at]);
+                    }
+                    row += 1;
+                }
+            }
+        });
+    }
+
+    /// Attention of `s.q` over the cache into `s.att`, each query's dot
+    /// products scaled by `kq_scale`, within the layer's window.
+    fn attend(&self, st: &mut Step<'_, '_>, li: usize, kq_scale: f32) {
+        let longest = st.batch.iter().map(|b| b.start_pos + b.tokens.len()).max().unwrap_or(0);
+        let (s, kv, batch, pool) = (&mut *st.s, &*st.kv, st.batch, st.pool);
+        let qd = self.config.q_dim();
+        st.kn.run("attention", li, qd, longest, || self.attention(pool, kv, batch, li, &s.q, kq_scale, &mut s.att));
+    }
+
+    /// `s.proj = s.att · Woᵀ`.
+    fn out_proj(&self, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
+        let (att, mut proj) = (std::mem::take(&mut st.s.att), std::mem::take(&mut st.s.proj));
+        self.project(st, (li, "matmul_o"), &att, [&l.wo], [&mut proj]);
+        (st.s.att, st.s.proj) = (att, proj);
+    }
+
+    /// `s.gate`, `s.up` from the normed input `s.xn`.
+    fn gate_up(&self, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
+        let s = &mut *st.s;
+        let (xn, mut gate, mut up) =
+            (std::mem::take(&mut s.xn), std::mem::take(&mut s.gate), std::mem::take(&mut s.up));
+        self.project(st, (li, "matmul_gate_up"), &xn, [&l.w_gate, &l.w_up], [&mut gate, &mut up]);
+        (st.s.xn, st.s.gate, st.s.up) = (xn, gate, up);
+    }
+
+    /// `s.proj = s.gate · W_downᵀ` (the activation already applied).
+    fn down(&self, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
+        let (gate, mut proj) = (std::mem::take(&mut st.s.gate), std::mem::take(&mut st.s.proj));
+        self.project(st, (li, "matmul_down"), &gate, [&l.w_down], [&mut proj]);
+        (st.s.gate, st.s.proj) = (gate, proj);
+    }
+
+    /// `s.proj = rms_norm(s.proj) * w` (a norm of a block's output).
+    fn post_norm(&self, st: &mut Step<'_, '_>, li: usize, w: &[f32]) {
+        let s = &mut *st.s;
+        Self::norm_over(&st.kn, li, &mut s.proj, &mut s.tmp, w, self.config.rms_eps);
+    }
+
+    /// `s.x += s.proj`.
+    fn residual(st: &mut Step<'_, '_>) {
+        let s = &mut *st.s;
         s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
-        self.dump("l_out", li, &s.x);
     }
 
     /// Output head, only for the rows that want logits.
@@ -461,19 +561,31 @@ impl Model {
         }
         let mut normed = vec![0f32; last.len()];
         norm::rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
-        quantize_rows(be, pool, &normed, rows.len(), d, &mut s.qa);
-        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd).matrix();
+        quantize_acts(be, pool, &normed, rows.len(), d, &acts_for(&[&head]), &mut s.qa);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
         let head_kn = Kernels { rows: rows.len(), ..*kn };
         head_kn.run("matmul_lm_head", self.layers.len(), c.vocab_size, d, || {
-            matmul(be, pool, &head.matrix(), &s.qa, &mut logits)
+            matmul_many(be, pool, [&head], &s.qa, [&mut logits])
         });
         Ok(logits)
     }
 
-    fn attention(&self, pool: &Pool, kv: &KvCache, batch: &[BatchItem<'_>], layer: usize, q: &[f32], out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        pool: &Pool,
+        kv: &KvCache,
+        batch: &[BatchItem<'_>],
+        layer: usize,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+    ) {
         let c = &self.config;
-        let (d, hd, group) = (c.n_embd, c.head_dim, c.group());
+        let (qd, hd, group) = (c.q_dim(), c.head_dim, c.group());
+        let window = c.layers[layer].window;
+        let flash = self.arch.flash_attention;
         // Tasks: (item, kv head, chunk of query positions).
         let mut tasks = Vec::new();
         let mut row0 = 0;
@@ -486,7 +598,6 @@ impl Model {
             }
             row0 += n;
         }
-        let scale = 1.0 / (hd as f32).sqrt();
         let be = self.backend;
         let dst = SyncPtr::new(out);
         pool.run(tasks.len(), |t| {
@@ -495,20 +606,30 @@ impl Model {
             let n_ctx = item.start_pos + q1;
             let order = item.order;
             ATT_SCRATCH.with(|cell| {
-                let (keys, vals_t, scores) = &mut *cell.borrow_mut();
-                let stride = n_ctx.next_multiple_of(VALUE_PAD);
+                let (keys, vals, scores) = &mut *cell.borrow_mut();
                 keys.resize(n_ctx * hd, 0.0);
-                vals_t.resize(hd * stride, 0.0);
                 kv.gather(item.blocks, layer, 0, h, n_ctx, keys);
-                kv.gather_transposed(item.blocks, layer, 1, h, n_ctx, stride, vals_t);
-                let view = KvView { keys, values_t: vals_t, stride, head_dim: hd };
+                let stride = n_ctx.next_multiple_of(VALUE_PAD);
+                if flash {
+                    vals.resize(n_ctx * hd, 0.0);
+                    kv.gather(item.blocks, layer, 1, h, n_ctx, vals);
+                } else {
+                    vals.resize(hd * stride, 0.0);
+                    kv.gather_transposed(item.blocks, layer, 1, h, n_ctx, stride, vals);
+                }
                 for qi in q0..q1 {
                     let r = row0 + qi;
-                    let cols = r * d + h * group * hd..r * d + (h + 1) * group * hd;
+                    let cols = r * qd + h * group * hd..r * qd + (h + 1) * group * hd;
                     // SAFETY: each (row, kv head) output range belongs to exactly one task.
                     let o = unsafe { dst.slice(cols.start, cols.len()) };
-                    let visible = item.start_pos + qi + 1;
-                    attend_group(be, &q[cols], view, visible, scale, order, scores, o);
+                    let end = item.start_pos + qi + 1;
+                    let first = window.map_or(0, |w| end.saturating_sub(w));
+                    if flash {
+                        attend_flash(be, &q[cols], keys, vals, hd, first..end, scale, o);
+                    } else {
+                        let view = KvView { keys, values_t: vals, stride, head_dim: hd };
+                        attend_window(be, &q[cols], view, first..end, scale, order, scores, o);
+                    }
                 }
             });
         });

@@ -1,8 +1,13 @@
 //! Tokenizer built from the GGUF alone: byte-level BPE (vocabulary and merges
-//! from `tokenizer.ggml.*`), the `smollm` pre-tokenizer (each digit apart,
-//! then the GPT-2 split), control tokens parsed only when asked, the chat
-//! template from `tokenizer.chat_template`, and an incremental detokenizer
-//! that never emits half a UTF-8 character.
+//! from `tokenizer.ggml.*`, model `gpt2`) with the `smollm` pre-tokenizer
+//! (each digit apart, then the GPT-2 split), or SentencePiece-style pieces
+//! with scores (model `llama`: Gemma, [`spm`]); control tokens parsed only
+//! when asked, the chat template from `tokenizer.chat_template`, and an
+//! incremental detokenizer that never emits half a UTF-8 character.
+
+mod spm;
+
+use spm::Spm;
 
 use std::collections::HashMap;
 
@@ -38,11 +43,19 @@ impl ChatMessage {
 /// Roles the chat template is known to render.
 pub const CHAT_ROLES: &[&str] = &["system", "user", "assistant", "tool"];
 
+/// How text becomes ids.
+enum Encoder {
+    /// Byte-level BPE: `raw` treats control tokens as ordinary text,
+    /// `special` recognises them as single ids.
+    Bpe {
+        raw: Box<HfTokenizer>,
+        special: Box<HfTokenizer>,
+    },
+    Spm(Box<Spm>),
+}
+
 pub struct Tokenizer {
-    /// Plain text: control tokens are ordinary text.
-    raw: HfTokenizer,
-    /// Control tokens recognised as single ids.
-    special: HfTokenizer,
+    encoder: Encoder,
     /// The texts of those tokens and their ids, longest first: a chat
     /// template's own text is split at them.
     controls: Vec<(String, u32)>,
@@ -52,6 +65,9 @@ pub struct Tokenizer {
     env: Option<Environment<'static>>,
     pub bos_id: u32,
     pub eos_id: u32,
+    /// Whether a prompt starts with BOS (`tokenizer.ggml.add_bos_token`;
+    /// Gemma's does, SmolLM2's does not).
+    pub add_bos: bool,
     bos_text: String,
     eos_text: String,
 }
@@ -84,81 +100,55 @@ fn byte_decoder() -> HashMap<char, u8> {
 impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
         let model = g.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(EngineError::Unsupported(format!("tokenizer model {model:?} (only byte-level BPE \"gpt2\")")));
-        }
-        let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
-        let merges = g.get_str_array("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
             Some(a) => a.iter().map(|v| v.as_u64().map(|x| x as i64).unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab =
-            tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
-        let merges: Vec<(String, String)> = merges
-            .iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| EngineError::Tokenizer(format!("malformed merge {m:?}")))
-            })
-            .collect::<Result<_>>()?;
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
-        let mut raw = HfTokenizer::new(bpe);
-        let mut seq: Vec<PreTokenizerWrapper> = Vec::new();
-        match pre {
-            // llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM: "\p{N}" then the GPT-2 regex.
-            "smollm" | "starcoder" | "refact" | "codeshell" => seq.push(Digits::new(true).into()),
-            "default" | "gpt2" => {}
-            other => return Err(EngineError::Unsupported(format!("pre-tokenizer {other:?}"))),
-        }
-        seq.push(ByteLevel::new(false, false, true).into());
-        raw.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(seq))));
-
-        let mut special = raw.clone();
-        let specials: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
-            .map(|(s, _)| AddedToken::from(s.to_string(), true))
-            .collect();
-        special.add_special_tokens(specials).map_err(tok_err)?;
+        let (encoder, pieces) = match model {
+            "gpt2" => bpe(g, &tokens, &types)?,
+            "llama" => {
+                let scores: Vec<f32> = match g.metadata.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                    Some(a) => a.iter().map(|v| v.as_f32().unwrap_or(0.0)).collect(),
+                    None => vec![0.0; tokens.len()],
+                };
+                if g.metadata.get("tokenizer.ggml.add_space_prefix").is_some_and(|v| v == &Value::Bool(true)) {
+                    return Err(EngineError::Unsupported(
+                        "SentencePiece tokenizer with add_space_prefix (only Gemma's, without, is implemented)".into(),
+                    ));
+                }
+                let pieces = tokens.iter().zip(&types).map(|(t, ty)| Spm::piece_bytes(t, *ty)).collect();
+                (Encoder::Spm(Box::new(Spm::new(&tokens, &scores, &types))), pieces)
+            }
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "tokenizer model {other:?} (pdmesh reads byte-level BPE \"gpt2\" and SentencePiece \"llama\")"
+                )))
+            }
+        };
+        let is_control = types.iter().map(|t| *t == TOKEN_TYPE_CONTROL).collect();
         let mut controls: Vec<(String, u32)> = (tokens.iter().zip(&types).enumerate())
             .filter(|(_, (_, t))| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
             .map(|(id, (s, _))| (s.to_string(), id as u32))
             .collect();
         controls.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
-
-        let dec = byte_decoder();
-        let pieces = tokens
-            .iter()
-            .zip(&types)
-            .map(|(t, ty)| {
-                if *ty == TOKEN_TYPE_CONTROL || *ty == TOKEN_TYPE_USER_DEFINED {
-                    t.as_bytes().to_vec()
-                } else {
-                    t.chars().map(|c| dec.get(&c).copied().unwrap_or(b'?')).collect()
-                }
-            })
-            .collect();
-        let is_control = types.iter().map(|t| *t == TOKEN_TYPE_CONTROL).collect();
         let bos_id = g.get_u64("tokenizer.ggml.bos_token_id").unwrap_or(1) as u32;
         let eos_id = g.get_u64("tokenizer.ggml.eos_token_id").unwrap_or(2) as u32;
+        let add_bos = g.metadata.get("tokenizer.ggml.add_bos_token").is_some_and(|v| v == &Value::Bool(true));
         let text_of = |id: u32| tokens.get(id as usize).map(|s| s.to_string()).unwrap_or_default();
         let env = match g.get_str("tokenizer.chat_template") {
             Ok(t) => Some(chat_env(t)?),
             Err(_) => None,
         };
         Ok(Tokenizer {
-            raw,
-            special,
+            encoder,
             controls,
             pieces,
             is_control,
             env,
             bos_id,
             eos_id,
+            add_bos,
             bos_text: text_of(bos_id),
             eos_text: text_of(eos_id),
         })
@@ -172,9 +162,22 @@ impl Tokenizer {
     /// `<|im_start|>` become their single ids; without it they are plain text.
     /// Never adds BOS.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        let t = if parse_special { &self.special } else { &self.raw };
-        let enc = t.encode_fast(text, false).map_err(tok_err)?;
-        Ok(enc.get_ids().to_vec())
+        match &self.encoder {
+            Encoder::Bpe { raw, special } => {
+                let t = if parse_special { special } else { raw };
+                let enc = t.encode_fast(text, false).map_err(tok_err)?;
+                Ok(enc.get_ids().to_vec())
+            }
+            Encoder::Spm(spm) => Ok(spm.encode(text, parse_special)),
+        }
+    }
+
+    /// A plain prompt's ids as the model expects them: BOS first where the
+    /// model's tokenizer adds it (llama.cpp's `add_special`).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = if self.add_bos { vec![self.bos_id] } else { Vec::new() };
+        ids.extend(self.encode(text, false)?);
+        Ok(ids)
     }
 
     /// Render messages with the model's chat template.
@@ -282,6 +285,56 @@ impl Tokenizer {
         s.push_str(&d.finish());
         s
     }
+}
+
+/// The byte-level BPE encoder of a `gpt2` GGUF tokenizer, and each
+/// token's bytes.
+fn bpe(g: &Gguf, tokens: &[&str], types: &[i64]) -> Result<(Encoder, Vec<Vec<u8>>)> {
+    let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+    let merges = g.get_str_array("tokenizer.ggml.merges")?;
+    let vocab: tokenizers::models::bpe::Vocab =
+        tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| EngineError::Tokenizer(format!("malformed merge {m:?}")))
+        })
+        .collect::<Result<_>>()?;
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+    let mut raw = HfTokenizer::new(bpe);
+    let mut seq: Vec<PreTokenizerWrapper> = Vec::new();
+    match pre {
+        // llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM: "\p{N}" then the GPT-2 regex.
+        "smollm" | "starcoder" | "refact" | "codeshell" => seq.push(Digits::new(true).into()),
+        "default" | "gpt2" => {}
+        other => return Err(EngineError::Unsupported(format!("pre-tokenizer {other:?}"))),
+    }
+    seq.push(ByteLevel::new(false, false, true).into());
+    raw.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(seq))));
+
+    let mut special = raw.clone();
+    let specials: Vec<AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
+        .map(|(s, _)| AddedToken::from(s.to_string(), true))
+        .collect();
+    special.add_special_tokens(specials).map_err(tok_err)?;
+    let dec = byte_decoder();
+    let pieces = tokens
+        .iter()
+        .zip(types)
+        .map(|(t, ty)| {
+            if *ty == TOKEN_TYPE_CONTROL || *ty == TOKEN_TYPE_USER_DEFINED {
+                t.as_bytes().to_vec()
+            } else {
+                t.chars().map(|c| dec.get(&c).copied().unwrap_or(b'?')).collect()
+            }
+        })
+        .collect();
+    Ok((Encoder::Bpe { raw: Box::new(raw), special: Box::new(special) }, pieces))
 }
 
 /// Where message `i`'s content goes in a rendered template (private-use

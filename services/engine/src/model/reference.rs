@@ -98,8 +98,15 @@ pub struct RefSequence {
 }
 
 impl Reference {
-    /// Dequantize every weight of `model`.
-    pub fn new(model: &Model) -> Reference {
+    /// Dequantize every weight of `model` (the referee knows the llama
+    /// graph only).
+    pub fn new(model: &Model) -> crate::error::Result<Reference> {
+        if model.arch().name != "llama" {
+            return Err(crate::error::EngineError::Unsupported(format!(
+                "the f32 referee runs llama only, not {}",
+                model.arch().name
+            )));
+        }
         let layers = model
             .layers
             .iter()
@@ -115,13 +122,13 @@ impl Reference {
                 w_down: Dense::of(&l.w_down),
             })
             .collect();
-        Reference {
+        Ok(Reference {
             config: model.config.clone(),
             layers,
             embd: Dense::of(&model.tok_embd),
             output: model.output.as_ref().map(Dense::of),
             output_norm: model.output_norm.clone(),
-        }
+        })
     }
 
     pub fn sequence(&self) -> RefSequence {
