@@ -59,9 +59,11 @@ impl Weight {
                 return Err(bad(format!("row length {cols} is not a multiple of {}'s {}", info.ty, q.block_len())))
             }
             Err(WeightError::Misaligned) => return Err(bad("data is misaligned".into())),
-            Err(WeightError::Unsupported(t)) => return Err(EngineError::Unsupported(format!(
+            Err(WeightError::Unsupported(t)) => {
+                return Err(EngineError::Unsupported(format!(
                 "tensor {name} has type {t}; the matmuls take Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K"
-            ))),
+            )))
+            }
         }
         let start = info.offset as usize;
         Ok(Weight { rows, cols, ty: info.ty, map: g.map(), range: start..start + info.size as usize })
