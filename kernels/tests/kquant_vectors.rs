@@ -2,7 +2,7 @@
 //! bit for bit, on random blocks (`scripts/kquant_vectors.py` made the
 //! vectors in `data/kquant_vectors.bin`).
 
-use pdmesh_kernels::formats::TensorType;
+use pdmesh_kernels::formats::{self, TensorType};
 use pdmesh_kernels::matmul::QData;
 
 /// (type, raw blocks, the values `gguf` dequantized them to).
@@ -50,17 +50,7 @@ fn dequantizers_equal_the_gguf_package_bit_for_bit() {
         }
         seen.push(*ty);
     }
-    for ty in [
-        TensorType::Q4_1,
-        TensorType::Q5_0,
-        TensorType::Q5_1,
-        TensorType::Q8_0,
-        TensorType::Q2K,
-        TensorType::Q3K,
-        TensorType::Q4K,
-        TensorType::Q5K,
-        TensorType::Q6K,
-    ] {
+    for ty in formats::ALL.into_iter().filter(|t| t.is_matmul_weight()) {
         assert!(seen.contains(&ty), "no vectors for {ty}");
     }
 }
