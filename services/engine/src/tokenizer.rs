@@ -175,8 +175,13 @@ impl Tokenizer {
     /// A plain prompt's ids as the model expects them: BOS first where the
     /// model's tokenizer adds it (llama.cpp's `add_special`).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_prompt_special(text, false)
+    }
+
+    /// [`Tokenizer::encode_prompt`], control tokens parsed when asked.
+    pub fn encode_prompt_special(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
         let mut ids = if self.add_bos { vec![self.bos_id] } else { Vec::new() };
-        ids.extend(self.encode(text, false)?);
+        ids.extend(self.encode(text, parse_special)?);
         Ok(ids)
     }
 

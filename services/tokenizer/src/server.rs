@@ -99,7 +99,8 @@ impl Service {
                 self.check_size(text.len())?;
                 let parse = req.parse_special;
                 // Long texts take milliseconds: keep them off the async workers.
-                tokio::task::spawn_blocking(move || tok.encode(&text, parse))
+                // BOS first where the model's tokenizer adds it (Gemma).
+                tokio::task::spawn_blocking(move || tok.encode_prompt_special(&text, parse))
                     .await
                     .map_err(|e| Status::internal(e.to_string()))?
             }
