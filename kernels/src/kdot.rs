@@ -17,42 +17,39 @@ use crate::quant::{f16_to_f32, BlockQ8};
 pub mod scalar {
     use super::*;
 
-    /// Integer lanes of one Q4_K block against one Q8_K block: the eight
-    /// `sumi` lanes and the four `prod` lanes of the mins.
-    fn q4k_lanes(b: &BlockQ4K, y: &BlockQ8K) -> ([i32; 8], [i32; 4]) {
-        let sm: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, &b.scales));
-        let q8s: [i32; 8] = std::array::from_fn(|i| y.bsums[2 * i] as i32 + y.bsums[2 * i + 1] as i32);
-        let prod = std::array::from_fn(|k| sm[2 * k].1 as i32 * q8s[2 * k] + sm[2 * k + 1].1 as i32 * q8s[2 * k + 1]);
-        let mut sumi = [0i32; 8];
+    /// One Q4_K block against one Q8_K block, in whole integers: the
+    /// scaled sum of products and the mins against the 16-value sums.
+    pub(crate) fn q4k_ints(b: &BlockQ4K, y: &BlockQ8K) -> (i32, i32) {
+        let (mut sumi, mut summ) = (0i32, 0i32);
         for j in 0..4 {
             let q = &b.qs[j * 32..(j + 1) * 32];
-            let ylo: &[i8; 32] = y.qs[j * 64..j * 64 + 32].try_into().expect("32 values");
-            let yhi: &[i8; 32] = y.qs[j * 64 + 32..j * 64 + 64].try_into().expect("32 values");
-            let lo = lane_sums(|e| (q[e] & 0xF) as i32, ylo);
-            let hi = lane_sums(|e| (q[e] >> 4) as i32, yhi);
-            for k in 0..8 {
-                sumi[k] += sm[2 * j].0 as i32 * lo[k] + sm[2 * j + 1].0 as i32 * hi[k];
-            }
+            let (s1, m1) = scale_min_k4(2 * j, &b.scales);
+            let (s2, m2) = scale_min_k4(2 * j + 1, &b.scales);
+            let (lo, hi): (i32, i32) = (0..32)
+                .map(|l| {
+                    ((q[l] & 0xF) as i32 * y.qs[j * 64 + l] as i32, (q[l] >> 4) as i32 * y.qs[j * 64 + 32 + l] as i32)
+                })
+                .fold((0, 0), |(a, b), (x, z)| (a + x, b + z));
+            sumi += s1 as i32 * lo + s2 as i32 * hi;
+            summ += m1 as i32 * (y.bsums[4 * j] as i32 + y.bsums[4 * j + 1] as i32)
+                + m2 as i32 * (y.bsums[4 * j + 2] as i32 + y.bsums[4 * j + 3] as i32);
         }
-        (sumi, prod)
+        (sumi, summ)
     }
 
-    /// Twin of [`super::avx2::dot_q4_k`].
+    /// Twin of [`super::avx2::dot_q4_k`]: llama.cpp's x86 build repacks Q4_K
+    /// matrices (`ggml_gemv/gemm_q4_K_8x8_q8_K`), which sum each block in
+    /// integers and carry two FMA chains over the blocks, one for the
+    /// scales and one for the mins, subtracted at the end.
     pub fn dot_q4_k<const N: usize>(w: &[BlockQ4K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
         std::array::from_fn(|n| {
-            let (mut acc, mut accm) = ([0f32; 8], [0f32; 4]);
+            let (mut acc, mut accm) = (0f32, 0f32);
             for (b, y) in w.iter().zip(xs[n]) {
-                let d = y.d * f16_to_f32(b.d);
-                let dmin = -y.d * f16_to_f32(b.dmin);
-                let (sumi, prod) = q4k_lanes(b, y);
-                for k in 0..4 {
-                    accm[k] = dmin.mul_add(prod[k] as f32, accm[k]);
-                }
-                for k in 0..8 {
-                    acc[k] = d.mul_add(sumi[k] as f32, acc[k]);
-                }
+                let (sumi, summ) = q4k_ints(b, y);
+                acc = (sumi as f32).mul_add(f16_to_f32(b.d) * y.d, acc);
+                accm = (summ as f32).mul_add(f16_to_f32(b.dmin) * y.d, accm);
             }
-            hsum8(acc) + ((accm[0] + accm[2]) + (accm[1] + accm[3]))
+            acc - accm
         })
     }
 
@@ -204,16 +201,25 @@ pub mod avx2 {
         _mm_set_epi32(t3 as i32, t2 as i32, t1 as i32, t0 as i32)
     }
 
-    /// One Q4_K row against `N` Q8_K rows (GGML's `ggml_vec_dot_q4_K_q8_K`).
+    /// Sum of the eight i32 lanes (exact).
+    #[inline(always)]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)))
+    }
+
+    /// One Q4_K row against `N` Q8_K rows, in the order of llama.cpp's
+    /// repacked Q4_K products (see [`super::scalar::dot_q4_k`]).
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_k<const N: usize>(w: &[BlockQ4K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
         let m4 = _mm256_set1_epi8(0xF);
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut accm = [_mm_setzero_ps(); N];
-        // Broadcast of scale 2j (low 128) or 2j+1 as 16-bit pairs.
+        let mut acc = [0f32; N];
+        let mut accm = [0f32; N];
+        // Broadcast of scale j as 16-bit pairs.
         let shuffle: [__m256i; 8] =
             std::array::from_fn(|j| _mm256_set1_epi16((2 * j as i16) | ((2 * j as i16 + 1) << 8)));
         for (i, b) in w.iter().enumerate() {
@@ -232,12 +238,11 @@ pub mod avx2 {
             let (xd, xdmin) = (h2f(b.d), h2f(b.dmin));
             for n in 0..N {
                 let y = xs[n].get_unchecked(i);
-                let d = y.d * xd;
-                let dmin = -y.d * xdmin;
                 let q8sums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
                 let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
                 let prod = _mm_madd_epi16(mins, q8s);
-                accm[n] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), accm[n]);
+                let s = _mm_add_epi32(prod, _mm_unpackhi_epi64(prod, prod));
+                let summ = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
                 let mut sumi = _mm256_setzero_si256();
                 for j in 0..4 {
                     let q8l = _mm256_loadu_si256(y.qs.as_ptr().add(64 * j) as *const __m256i);
@@ -246,14 +251,11 @@ pub mod avx2 {
                     let ph = _mm256_madd_epi16(sl[2 * j + 1], _mm256_maddubs_epi16(qh[j], q8h));
                     sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
                 }
-                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[n]);
+                acc[n] = (hsum_i32(sumi) as f32).mul_add(xd * y.d, acc[n]);
+                accm[n] = (summ as f32).mul_add(xdmin * y.d, accm[n]);
             }
         }
-        std::array::from_fn(|n| {
-            let m = _mm_add_ps(accm[n], _mm_movehl_ps(accm[n], accm[n]));
-            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-            hsum(acc[n]) + _mm_cvtss_f32(m)
-        })
+        std::array::from_fn(|n| acc[n] - accm[n])
     }
 
     /// One Q6_K row against `N` Q8_K rows (GGML's `ggml_vec_dot_q6_K_q8_K`).
