@@ -113,7 +113,7 @@ pub fn attend_flash(
 ) {
     let hd = head_dim;
     assert!(visible.start < visible.end, "attention over an empty window");
-    assert!(keys.len() >= visible.end * hd && values.len() >= visible.end * hd && hd.is_multiple_of(32) && hd <= 256);
+    assert!(keys.len() >= visible.end * hd && values.len() >= visible.end * hd && hd.is_multiple_of(64) && hd <= 256);
     assert_eq!(q.len(), out.len());
     let mut qh16 = [0f32; 256];
     let mut acc = [0f32; 256];
@@ -124,7 +124,7 @@ pub fn attend_flash(
         acc.fill(0.0);
         let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
         for j in visible.clone() {
-            let s = dot_in_order(be, SumOrder::VecDot, &keys[j * hd..(j + 1) * hd], qr) * scale;
+            let s = dot_f16_order(be, &keys[j * hd..(j + 1) * hd], qr) * scale;
             let (mut ms, mut vs) = (1f32, 1f32);
             if s > m {
                 ms = (m - s).exp();
@@ -141,6 +141,18 @@ pub fn attend_flash(
         let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
         oh.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = a * inv);
     }
+}
+
+/// `ggml_vec_dot_f16` of an AVX-512 build (the reference build of the
+/// models that use flash attention), on whatever this CPU has.
+fn dot_f16_order(be: Backend, a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if be.has_avx2() {
+        // SAFETY: an AVX2 backend means AVX2+FMA; lengths are multiples of 64 (head sizes of 64..256).
+        return unsafe { ggml_avx2::dot_vec4_x16(a, b) };
+    }
+    let _ = be;
+    ggml_ref::dot_vec4_x16(a, b)
 }
 
 fn dot_in_order(be: Backend, order: SumOrder, a: &[f32], b: &[f32]) -> f32 {

@@ -133,6 +133,32 @@ pub unsafe fn dot_vec4(a: &[f32], b: &[f32]) -> f32 {
     reduce4(acc)
 }
 
+/// [`crate::ggml_ref::dot_vec4_x16`] (an AVX-512 build's
+/// `ggml_vec_dot_f16`) with each 16-lane accumulator held in two AVX2
+/// registers: the same sums in the same order.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a.len()` must be a multiple of 64 and `b` at least as long.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_vec4_x16(a: &[f32], b: &[f32]) -> f32 {
+    let mut lo = [_mm256_setzero_ps(); 4];
+    let mut hi = [_mm256_setzero_ps(); 4];
+    for i in (0..a.len()).step_by(64) {
+        for j in 0..4 {
+            let o = i + 16 * j;
+            lo[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(o)), _mm256_loadu_ps(b.as_ptr().add(o)), lo[j]);
+            hi[j] =
+                _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(o + 8)), _mm256_loadu_ps(b.as_ptr().add(o + 8)), hi[j]);
+        }
+    }
+    let x_lo = _mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3]));
+    let x_hi = _mm256_add_ps(_mm256_add_ps(hi[0], hi[2]), _mm256_add_ps(hi[1], hi[3]));
+    let t3 = _mm256_add_ps(x_hi, x_lo);
+    let t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    let t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+    _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)))
+}
+
 /// GGML's softmax of `x` (already scaled) in place: `ggml_v_expf` in groups
 /// of 8 (`x.len()` a multiple of 8; pad with `-inf`), group sums added in
 /// f64, then multiplied by `(f32)(1.0 / sum)`.
@@ -180,6 +206,21 @@ pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn dot_vec4_x16_is_its_scalar_twin() {
+        if !crate::Backend::Avx2.runs_here() {
+            eprintln!("SKIPPED: no AVX2 here");
+            return;
+        }
+        let mut rng = crate::rng::Rng::new(77);
+        for n in [64usize, 256, 512] {
+            let (a, b) = (rng.normal_vec(n), rng.normal_vec(n));
+            // SAFETY: AVX2 and FMA checked above; lengths are multiples of 64.
+            let v = unsafe { super::dot_vec4_x16(&a, &b) };
+            assert_eq!(v.to_bits(), crate::ggml_ref::dot_vec4_x16(&a, &b).to_bits(), "n={n}");
+        }
+    }
+
     use super::*;
     use crate::rng::Rng;
 

@@ -54,6 +54,24 @@ pub fn dot_chain(a: &[f32], b: &[f32]) -> f32 {
     hsum8(acc)
 }
 
+/// `ggml_vec_dot_f16` as an AVX-512 build of GGML computes it (16 lanes,
+/// four accumulators, then `GGML_F32x16_REDUCE` and GCC's
+/// `_mm512_reduce_add_ps`); `a.len()` a multiple of 64.
+pub fn dot_vec4_x16(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [[0f32; 16]; 4];
+    for (ca, cb) in a.chunks_exact(64).zip(b.chunks_exact(64)) {
+        for (j, acc) in acc.iter_mut().enumerate() {
+            for k in 0..16 {
+                acc[k] = ca[16 * j + k].mul_add(cb[16 * j + k], acc[k]);
+            }
+        }
+    }
+    let x: [f32; 16] = std::array::from_fn(|k| (acc[0][k] + acc[2][k]) + (acc[1][k] + acc[3][k]));
+    let t3: [f32; 8] = std::array::from_fn(|i| x[8 + i] + x[i]);
+    let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
+    (t6[0] + t6[2]) + (t6[1] + t6[3])
+}
+
 /// Twin of [`crate::ggml_avx2::dot_vec4`].
 pub fn dot_vec4(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [[0f32; 8]; 4];

@@ -17,11 +17,11 @@ use crate::quant::{f16_to_f32, BlockQ8};
 pub mod scalar {
     use super::*;
 
-    /// One Q4_K block against one Q8_K block, in whole integers: the
-    /// scaled sum of products and the mins against the 16-value sums.
-    pub(crate) fn q4k_ints(b: &BlockQ4K, y: &BlockQ8K) -> (i32, i32) {
-        let (mut sumi, mut summ) = (0i32, 0i32);
-        for j in 0..4 {
+    /// One Q4_K block against one Q8_K block in whole integers, for each
+    /// 64-value pair of sub-blocks: the scaled sum of products, and the
+    /// mins against the 16-value sums.
+    fn q4k_pair_ints(b: &BlockQ4K, y: &BlockQ8K) -> [(i32, i32); 4] {
+        std::array::from_fn(|j| {
             let q = &b.qs[j * 32..(j + 1) * 32];
             let (s1, m1) = scale_min_k4(2 * j, &b.scales);
             let (s2, m2) = scale_min_k4(2 * j + 1, &b.scales);
@@ -30,41 +30,75 @@ pub mod scalar {
                     ((q[l] & 0xF) as i32 * y.qs[j * 64 + l] as i32, (q[l] >> 4) as i32 * y.qs[j * 64 + 32 + l] as i32)
                 })
                 .fold((0, 0), |(a, b), (x, z)| (a + x, b + z));
-            sumi += s1 as i32 * lo + s2 as i32 * hi;
-            summ += m1 as i32 * (y.bsums[4 * j] as i32 + y.bsums[4 * j + 1] as i32)
+            let sumi = s1 as i32 * lo + s2 as i32 * hi;
+            let summ = m1 as i32 * (y.bsums[4 * j] as i32 + y.bsums[4 * j + 1] as i32)
                 + m2 as i32 * (y.bsums[4 * j + 2] as i32 + y.bsums[4 * j + 3] as i32);
-        }
-        (sumi, summ)
+            (sumi, summ)
+        })
     }
 
-    /// Twin of [`super::avx2::dot_q4_k`]: llama.cpp's x86 build repacks Q4_K
-    /// matrices (`ggml_gemv/gemm_q4_K_8x8_q8_K`), which sum each block in
-    /// integers and carry two FMA chains over the blocks, one for the
-    /// scales and one for the mins, subtracted at the end.
-    pub fn dot_q4_k<const N: usize>(w: &[BlockQ4K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
+    /// Twin of [`super::avx2::dot_q4_k`]. llama.cpp's x86 build repacks
+    /// Q4_K matrices and carries two FMA chains, one for the scales and
+    /// one for the mins, subtracted at the end; its 4-row GEMM
+    /// (`ggml_gemm_q4_K_8x8_q8_K`, a batch's rows in whole fours) adds to
+    /// them per pair of sub-blocks (`PAIRS`), its GEMV (the rows left over)
+    /// per block.
+    pub fn dot_q4_k<const PAIRS: bool, const N: usize>(w: &[BlockQ4K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
         std::array::from_fn(|n| {
             let (mut acc, mut accm) = (0f32, 0f32);
             for (b, y) in w.iter().zip(xs[n]) {
-                let (sumi, summ) = q4k_ints(b, y);
-                acc = (sumi as f32).mul_add(f16_to_f32(b.d) * y.d, acc);
-                accm = (summ as f32).mul_add(f16_to_f32(b.dmin) * y.d, accm);
+                let (d, dmin) = (f16_to_f32(b.d) * y.d, f16_to_f32(b.dmin) * y.d);
+                let pairs = q4k_pair_ints(b, y);
+                if PAIRS {
+                    for (sumi, summ) in pairs {
+                        acc = (sumi as f32).mul_add(d, acc);
+                        accm = (summ as f32).mul_add(dmin, accm);
+                    }
+                } else {
+                    let (sumi, summ) = pairs.iter().fold((0, 0), |(a, b), (x, z)| (a + x, b + z));
+                    acc = (sumi as f32).mul_add(d, acc);
+                    accm = (summ as f32).mul_add(dmin, accm);
+                }
             }
             acc - accm
         })
     }
 
-    /// The eight integer lanes of one Q6_K block against one Q8_K block.
+    /// The eight integer lanes of one Q6_K block against one Q8_K block, as
+    /// GGML's AVX2 kernel forms them: the unsigned 6-bit values' products
+    /// by lane (bytes 4k..4k+4 of each 32), less the offset 32 taken from
+    /// the 16-value sums by lane (sub-blocks 2k and 2k+1).
     fn q6k_lanes(b: &BlockQ6K, y: &BlockQ8K) -> [i32; 8] {
         let mut sumi = [0i32; 8];
         for c in 0..8 {
             // 32 values at c * 32: sub-blocks 2c and 2c + 1 (16 each).
             let yq: &[i8; 32] = y.qs[c * 32..(c + 1) * 32].try_into().expect("32 values");
-            let lanes = lane_sums(|e| q6k_value(b, c * 32 + e), yq);
+            let lanes = lane_sums(|e| q6k_value(b, c * 32 + e) + 32, yq);
             for k in 0..8 {
                 sumi[k] += b.scales[2 * c + k / 4] as i32 * lanes[k];
             }
         }
+        for (k, s) in sumi.iter_mut().enumerate() {
+            let off =
+                y.bsums[2 * k] as i32 * b.scales[2 * k] as i32 + y.bsums[2 * k + 1] as i32 * b.scales[2 * k + 1] as i32;
+            *s -= off << 5;
+        }
         sumi
+    }
+
+    /// Q6_K as llama.cpp's tiled K-quant GEMM computes it
+    /// (`ggml-cpu/tiled`, batches of 8 rows or more): each block's integer
+    /// sum scaled by the weight's d, then one FMA chain by the
+    /// activation's d. The integer sum is the vec_dot's lanes added.
+    pub fn dot_q6_k_tiled<const N: usize>(w: &[BlockQ6K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
+        std::array::from_fn(|n| {
+            let mut acc = 0f32;
+            for (b, y) in w.iter().zip(xs[n]) {
+                let sumi: i32 = q6k_lanes(b, y).iter().sum();
+                acc = (sumi as f32 * f16_to_f32(b.d)).mul_add(y.d, acc);
+            }
+            acc
+        })
     }
 
     /// Twin of [`super::avx2::dot_q6_k`].
@@ -215,7 +249,7 @@ pub mod avx2 {
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_k<const N: usize>(w: &[BlockQ4K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
+    pub unsafe fn dot_q4_k<const PAIRS: bool, const N: usize>(w: &[BlockQ4K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
         let m4 = _mm256_set1_epi8(0xF);
         let mut acc = [0f32; N];
         let mut accm = [0f32; N];
@@ -240,25 +274,36 @@ pub mod avx2 {
                 let y = xs[n].get_unchecked(i);
                 let q8sums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
                 let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+                // Lane j: the mins of sub-block pair j against its sums.
                 let prod = _mm_madd_epi16(mins, q8s);
-                let s = _mm_add_epi32(prod, _mm_unpackhi_epi64(prod, prod));
-                let summ = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
-                let mut sumi = _mm256_setzero_si256();
+                let mut pm = [0i32; 4];
+                _mm_storeu_si128(pm.as_mut_ptr() as *mut __m128i, prod);
+                let (d, dmin) = (xd * y.d, xdmin * y.d);
+                let mut sumi = 0i32;
                 for j in 0..4 {
                     let q8l = _mm256_loadu_si256(y.qs.as_ptr().add(64 * j) as *const __m256i);
                     let q8h = _mm256_loadu_si256(y.qs.as_ptr().add(64 * j + 32) as *const __m256i);
                     let pl = _mm256_madd_epi16(sl[2 * j], _mm256_maddubs_epi16(ql[j], q8l));
                     let ph = _mm256_madd_epi16(sl[2 * j + 1], _mm256_maddubs_epi16(qh[j], q8h));
-                    sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+                    let pair = hsum_i32(_mm256_add_epi32(pl, ph));
+                    if PAIRS {
+                        acc[n] = (pair as f32).mul_add(d, acc[n]);
+                        accm[n] = (pm[j] as f32).mul_add(dmin, accm[n]);
+                    } else {
+                        sumi += pair;
+                    }
                 }
-                acc[n] = (hsum_i32(sumi) as f32).mul_add(xd * y.d, acc[n]);
-                accm[n] = (summ as f32).mul_add(xdmin * y.d, accm[n]);
+                if !PAIRS {
+                    acc[n] = (sumi as f32).mul_add(d, acc[n]);
+                    accm[n] = (pm.iter().sum::<i32>() as f32).mul_add(dmin, accm[n]);
+                }
             }
         }
         std::array::from_fn(|n| acc[n] - accm[n])
     }
 
-    /// One Q6_K row against `N` Q8_K rows (GGML's `ggml_vec_dot_q6_K_q8_K`).
+    /// One Q6_K row against `N` Q8_K rows (GGML's `ggml_vec_dot_q6_K_q8_K`,
+    /// which takes the offset 32 out through the 16-value sums).
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
@@ -266,10 +311,10 @@ pub mod avx2 {
     pub unsafe fn dot_q6_k<const N: usize>(w: &[BlockQ6K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
         let m4 = _mm256_set1_epi8(0xF);
         let m2 = _mm256_set1_epi8(3);
-        let m32s = _mm256_set1_epi8(32);
         let mut acc = [_mm256_setzero_ps(); N];
         for (i, b) in w.iter().enumerate() {
             let scales = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+            let scales_16 = _mm256_cvtepi8_epi16(scales);
             // Eight 32-value groups: unsigned 6-bit values and their scales as i16.
             let mut q = [_mm256_setzero_si256(); 8];
             let mut sc = [_mm256_setzero_si256(); 8];
@@ -319,12 +364,15 @@ pub mod avx2 {
                     let p: [__m256i; 4] = std::array::from_fn(|t| {
                         let g = 4 * j + t;
                         let q8 = _mm256_loadu_si256(y.qs.as_ptr().add(32 * g) as *const __m256i);
-                        let p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[g], q8), _mm256_maddubs_epi16(m32s, q8));
-                        _mm256_madd_epi16(sc[g], p16)
+                        _mm256_madd_epi16(sc[g], _mm256_maddubs_epi16(q[g], q8))
                     });
                     sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
                     sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
                 }
+                // The offset 32, from the 16-value sums (GGML's `q8sclsub`).
+                let q8sums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+                let sub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+                sumi = _mm256_sub_epi32(sumi, sub);
                 acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[n]);
             }
         }
@@ -418,7 +466,7 @@ pub(crate) mod tests {
         close("q3_k", scalar::dot_q3_k(&w, [&xk])[0], &wf, &xf);
         let w: Vec<BlockQ4K> = random_blocks(&mut rng, nb, &[0, 2]);
         dequantize_q4_k(&w, &mut wf);
-        close("q4_k", scalar::dot_q4_k(&w, [&xk])[0], &wf, &xf);
+        close("q4_k", scalar::dot_q4_k::<false, 1>(&w, [&xk])[0], &wf, &xf);
         let w: Vec<BlockQ5K> = random_blocks(&mut rng, nb, &[0, 2]);
         dequantize_q5_k(&w, &mut wf);
         close("q5_k", scalar::dot_q5_k(&w, [&xk])[0], &wf, &xf);
@@ -455,11 +503,14 @@ pub(crate) mod tests {
             let w4: Vec<BlockQ4K> = random_blocks(&mut rng, nb, &[0, 2]);
             let w6: Vec<BlockQ6K> = random_blocks(&mut rng, nb, &[208]);
             // SAFETY: AVX2, FMA and F16C were checked above.
-            let (a4, a6) = unsafe { (avx2::dot_q4_k(&w4, refs), avx2::dot_q6_k(&w6, refs)) };
-            assert_eq!(a4.map(f32::to_bits), scalar::dot_q4_k(&w4, refs).map(f32::to_bits), "q4_k nb={nb}");
+            let (a4, a6) = unsafe { (avx2::dot_q4_k::<false, 3>(&w4, refs), avx2::dot_q6_k(&w6, refs)) };
+            assert_eq!(a4.map(f32::to_bits), scalar::dot_q4_k::<false, 3>(&w4, refs).map(f32::to_bits), "q4_k nb={nb}");
+            // SAFETY: as above.
+            let p4 = unsafe { avx2::dot_q4_k::<true, 3>(&w4, refs) };
+            assert_eq!(p4.map(f32::to_bits), scalar::dot_q4_k::<true, 3>(&w4, refs).map(f32::to_bits), "q4_k pairs");
             assert_eq!(a6.map(f32::to_bits), scalar::dot_q6_k(&w6, refs).map(f32::to_bits), "q6_k nb={nb}");
             // SAFETY: as above.
-            let one = unsafe { avx2::dot_q4_k(&w4, [refs[2]]) };
+            let one = unsafe { avx2::dot_q4_k::<false, 1>(&w4, [refs[2]]) };
             assert_eq!(one[0].to_bits(), a4[2].to_bits());
             let ys: Vec<Vec<BlockQ8>> = (0..3).map(|_| q8(&mut rng, nb * 8)).collect();
             let yr = [&ys[0][..], &ys[1][..], &ys[2][..]];

@@ -93,6 +93,14 @@ pub struct QActs {
     pub blocks_per_row: usize,
     /// Which forms hold this call's rows: [Q8, Q8K].
     has: [bool; 2],
+    /// Rows that llama.cpp's repacked Q4_K GEMM would take: each
+    /// sequence's rows from its first, in whole fours (the rest go through
+    /// its GEMV, which sums in another order). All false unless the caller
+    /// says, with [`QActs::group_rows`].
+    pub gemm4: Vec<bool>,
+    /// Rows of sequences of 8 rows or more: llama.cpp's tiled K-quant
+    /// GEMM takes those (Q6_K here), its vec_dot the others.
+    pub tiled8: Vec<bool>,
 }
 
 impl QActs {
@@ -105,6 +113,20 @@ impl QActs {
     }
     pub fn has(&self, kind: ActKind) -> bool {
         self.has[kind as usize]
+    }
+
+    /// Mark the rows of sequences `lens` (consecutive, in order) that
+    /// llama.cpp's 4-row Q4_K GEMM would take: in each, the first
+    /// `len - len % 4`.
+    pub fn group_rows(&mut self, lens: impl IntoIterator<Item = usize>) {
+        self.gemm4.clear();
+        self.tiled8.clear();
+        for len in lens {
+            self.gemm4.extend((0..len).map(|i| i < len - len % 4));
+            self.tiled8.extend((0..len).map(|_| len >= 8));
+        }
+        self.gemm4.resize(self.rows, false);
+        self.tiled8.resize(self.rows, false);
     }
 }
 
@@ -139,6 +161,10 @@ pub fn quantize_acts(
     out.rows = rows;
     out.cols = cols;
     out.has = [false; 2];
+    out.gemm4.clear();
+    out.gemm4.resize(rows, false);
+    out.tiled8.clear();
+    out.tiled8.resize(rows, false);
     let per_task = rows.div_ceil(pool.threads() * 2).max(1);
     for &kind in kinds {
         out.has[kind as usize] = true;
@@ -416,11 +442,48 @@ unsafe fn row_sweep(
             }
         }};
     }
+    // Q4_K: each activation row in the order llama.cpp would use for it.
+    if let QData::Q4K(bl) = w.data {
+        for r in r0..r1 {
+            let wr = &bl[r * nb..(r + 1) * nb];
+            for b in b0..b1 {
+                let y = [x.krow(b)];
+                let v = match (be.has_avx2(), x.gemm4[b]) {
+                    #[cfg(target_arch = "x86_64")]
+                    (true, true) => kdot::avx2::dot_q4_k::<true, 1>(wr, y),
+                    #[cfg(target_arch = "x86_64")]
+                    (true, false) => kdot::avx2::dot_q4_k::<false, 1>(wr, y),
+                    (_, true) => kdot::scalar::dot_q4_k::<true, 1>(wr, y),
+                    (_, false) => kdot::scalar::dot_q4_k::<false, 1>(wr, y),
+                };
+                *dst.0.add(b * stride + r) = v[0];
+            }
+        }
+        return;
+    }
+    // Q6_K: rows llama.cpp's tiled GEMM would take, one by one.
+    if let QData::Q6K(bl) = w.data {
+        if x.tiled8[b0..b1].iter().any(|t| *t) {
+            for r in r0..r1 {
+                let wr = &bl[r * nb..(r + 1) * nb];
+                for b in b0..b1 {
+                    let y = [x.krow(b)];
+                    let v = match (be.has_avx2(), x.tiled8[b]) {
+                        (_, true) => kdot::scalar::dot_q6_k_tiled(wr, y),
+                        #[cfg(target_arch = "x86_64")]
+                        (true, false) => kdot::avx2::dot_q6_k(wr, y),
+                        (_, false) => kdot::scalar::dot_q6_k(wr, y),
+                    };
+                    *dst.0.add(b * stride + r) = v[0];
+                }
+            }
+            return;
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if be.has_avx2() {
         use kdot::avx2 as v;
         match w.data {
-            QData::Q4K(bl) => return sweep!(v::dot_q4_k, bl, krow),
             QData::Q6K(bl) => return sweep!(v::dot_q6_k, bl, krow),
             QData::Q5_0(bl) => return sweep!(v::dot_q5_0, bl, row),
             _ => {}
@@ -429,14 +492,13 @@ unsafe fn row_sweep(
     let _ = be;
     use kdot::scalar as s;
     match w.data {
-        QData::Q4K(bl) => sweep!(s::dot_q4_k, bl, krow),
         QData::Q6K(bl) => sweep!(s::dot_q6_k, bl, krow),
         QData::Q5K(bl) => sweep!(s::dot_q5_k, bl, krow),
         QData::Q3K(bl) => sweep!(s::dot_q3_k, bl, krow),
         QData::Q2K(bl) => sweep!(s::dot_q2_k, bl, krow),
         QData::Q5_0(bl) => sweep!(s::dot_q5_0, bl, row),
         QData::Q5_1(bl) => sweep!(s::dot_q5_1, bl, row),
-        QData::Q4_1(_) | QData::Q8_0(_) => unreachable!("Q4_1 and Q8_0 have their own sweeps"),
+        QData::Q4_1(_) | QData::Q8_0(_) | QData::Q4K(_) => unreachable!("Q4_1, Q8_0 and Q4_K have their own sweeps"),
     }
 }
 

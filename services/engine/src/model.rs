@@ -7,8 +7,15 @@
 //! feed-forward); `model/arch.rs` is the table that names them. All tokens of a batch (prompt chunks and single decode tokens alike) are
 //! stacked into one activation matrix, so every weight is read once per step
 //! whatever the batch; attention runs per sequence against the paged cache.
-//! Each token's arithmetic is independent of its neighbours in the batch, so
-//! a sequence gets bit-identical logits alone, batched, or chunked.
+//! A token's arithmetic never depends on other sequences in the batch, so
+//! a sequence gets bit-identical logits alone or batched. With Q4_1, Q5_0
+//! and Q8_0 weights it does not depend on its own neighbours either, so
+//! chunking a prompt changes nothing. Q4_K and Q6_K products follow
+//! llama.cpp, whose order depends on the shape of the step: Q4_K rows in
+//! whole fours of a sequence go through its 4-row GEMM order, Q6_K rows of
+//! a sequence with 8 or more in the step through its tiled GEMM order
+//! (`QActs::group_rows`). So for those models a prompt's logits depend on
+//! how it is chunked, exactly as llama.cpp's depend on its batches.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -444,8 +451,9 @@ impl Model {
         let refs: [&QMatrix<'_>; N] = std::array::from_fn(|i| &ms[i]);
         let cols = ms[0].cols;
         let n: usize = ms.iter().map(|m| m.rows).sum();
-        let qa = &mut st.s.qa;
+        let (qa, batch) = (&mut st.s.qa, st.batch);
         st.kn.run("quantize_q8", li, cols, cols, || quantize_acts(be, pool, x, n_tok, cols, &acts_for(&refs), qa));
+        qa.group_rows(batch.iter().map(|b| b.tokens.len()));
         st.kn.run(name, li, n, cols, || matmul_many(be, pool, refs, qa, outs));
     }
 
@@ -563,6 +571,7 @@ impl Model {
         }
         let mut normed = vec![0f32; last.len()];
         norm::rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
+        self.dump("result_norm", 0, &normed);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd).matrix();
         quantize_acts(be, pool, &normed, rows.len(), d, &acts_for(&[&head]), &mut s.qa);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
@@ -570,6 +579,7 @@ impl Model {
         head_kn.run("matmul_lm_head", self.layers.len(), c.vocab_size, d, || {
             matmul_many(be, pool, [&head], &s.qa, [&mut logits])
         });
+        self.dump("result_output", 0, &logits);
         Ok(logits)
     }
 

@@ -90,6 +90,7 @@ fn layer(m: &Model, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
     m.attend(st, li, 1.0);
     m.dump("kqv_out", li, &st.s.att);
     m.out_proj(st, li, l);
+    m.dump("attn_out", li, &st.s.proj);
     m.post_norm(st, li, l.post_attn_norm.as_deref().expect(missing));
     m.dump("attn_post_norm", li, &st.s.proj);
     Model::residual(st);
@@ -102,6 +103,7 @@ fn layer(m: &Model, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
     st.kn.run("gelu_mul", li, ff, ff, || activation::gelu_mul(&mut s.gate, &s.up));
     m.dump("ffn_geglu", li, &st.s.gate);
     m.down(st, li, l);
+    m.dump("ffn_out", li, &st.s.proj);
     m.post_norm(st, li, l.post_ffn_norm.as_deref().expect(missing));
     m.dump("ffn_post_norm", li, &st.s.proj);
     Model::residual(st);
