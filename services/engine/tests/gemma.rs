@@ -48,26 +48,50 @@ fn prefill_as_llama_server(e: &mut Engine, id: SeqId, n: usize) -> NextToken {
     e.forward_some(&[(id, n.min(4))], Default::default()).unwrap().pop().unwrap().1
 }
 
-/// The greedy continuation of `prompt` (EOS ignored), prefilled as
-/// llama-server prefills it; also the first position's logits.
-fn generate(e: &mut Engine, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+/// The tokens llama.cpp counts as end of generation for this vocabulary
+/// (its load log lists `<eos>`, `<end_of_turn>` and `</s>`).
+fn end_ids(tok: &Tokenizer) -> Vec<u32> {
+    let ids: Vec<u32> = ["<eos>", "<end_of_turn>", "</s>"]
+        .iter()
+        .map(|t| match tok.encode(t, true).unwrap()[..] {
+            [id] => id,
+            ref other => panic!("{t} is not one token: {other:?}"),
+        })
+        .collect();
+    assert_eq!(ids, [1, 106, 212], "llama.cpp's end-of-generation ids for Gemma 3");
+    ids
+}
+
+/// The greedy continuation of `prompt`, prefilled as llama-server prefills
+/// it, with llama-server's `ignore_eos`: every end-of-generation token's
+/// logit set to -inf. Also the first position's logits (unmasked).
+fn generate(e: &mut Engine, ends: &[u32], prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     e.set_device_sampling(false);
     let id = e.add_sequence(prompt.to_vec(), SamplingParams { ..greedy(n) }).unwrap();
-    let next = prefill_as_llama_server(e, id, prompt.len());
-    let logits = next.logits().unwrap().to_vec();
-    let mut done = e.accept(id, &next).unwrap().finish.is_some();
-    while !done {
-        done = e.decode(&[id]).unwrap().pop().unwrap().finish.is_some();
+    let mut next = prefill_as_llama_server(e, id, prompt.len());
+    let first = next.logits().unwrap().to_vec();
+    loop {
+        let mut logits = next.logits().unwrap().to_vec();
+        ends.iter().for_each(|t| logits[*t as usize] = f32::NEG_INFINITY);
+        if e.accept(id, &NextToken::Logits(logits)).unwrap().finish.is_some() {
+            break;
+        }
+        next = e.forward_pending(&[id], 1, Default::default()).unwrap().pop().unwrap().1;
     }
     let out = e.generated(id).unwrap().to_vec();
     e.release(id).unwrap();
-    (out, logits)
+    (out, first)
 }
 
 fn cases() -> Vec<Value> {
-    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gemma3-270m.golden.json");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-    v["cases"].as_array().unwrap().clone()
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    ["gemma3-270m.golden.json", "gemma3-270m.extra.json"]
+        .iter()
+        .flat_map(|f| {
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(f)).unwrap()).unwrap();
+            v["cases"].as_array().unwrap().clone()
+        })
+        .collect()
 }
 
 #[test]
@@ -93,14 +117,20 @@ fn tokenization_matches_llama_cpp() {
 
 /// llama.cpp's five most likely first tokens have our log-probabilities,
 /// to the rounding of llama-server's own (f32) log-probabilities: the
-/// logits are llama.cpp's bits.
+/// logits are llama.cpp's bits. Not for prompts whose first batch reaches
+/// 64 rows: llama.cpp attends those through its tiled flash-attention
+/// kernel (f32 queries, its own GEMM order), which pdmesh does not mirror
+/// yet; their greedy tokens are still checked below.
 #[test]
 fn first_token_log_probabilities_match_llama_cpp() {
     let mut g = gemma();
     let mut worst = 0f32;
-    for c in cases() {
+    let mut checked = 0;
+    for c in cases().into_iter().filter(|c| ids(&c["ids_with_bos"]).len() < 64 + 4) {
+        checked += 1;
         let prompt = ids(&c["ids_with_bos"]);
-        let (_, logits) = generate(&mut g.engine, &prompt, 1);
+        let ends = end_ids(&g.tok);
+        let (_, logits) = generate(&mut g.engine, &ends, &prompt, 1);
         let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let lse = max + logits.iter().map(|l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
         let top = c["top5_first"].as_array().unwrap();
@@ -114,7 +144,8 @@ fn first_token_log_probabilities_match_llama_cpp() {
             assert_eq!(ours[rank], id, "{:?}: rank {rank}", c["prompt"]);
         }
     }
-    eprintln!("worst first-token log-probability difference from llama.cpp: {worst:.5}");
+    assert!(checked >= 20, "{checked} cases checked");
+    eprintln!("worst first-token log-probability difference from llama.cpp: {worst:.5} ({checked} prompts)");
 }
 
 /// Sixteen greedy tokens (EOS ignored) per golden prompt, equal to
@@ -126,7 +157,8 @@ fn greedy_tokens_match_llama_cpp() {
     for c in cases() {
         let prompt = ids(&c["ids_with_bos"]);
         let want = ids(&c["greedy_ids_16_ignore_eos"]);
-        let (got, _) = generate(&mut g.engine, &prompt, 16);
+        let ends = end_ids(&g.tok);
+        let (got, _) = generate(&mut g.engine, &ends, &prompt, 16);
         let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
         report.push((c["prompt"].as_str().unwrap().to_string(), agree, got, want));
     }
