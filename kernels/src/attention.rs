@@ -129,17 +129,32 @@ pub fn attend_flash(
             if s > m {
                 ms = (m - s).exp();
                 m = s;
-                acc.iter_mut().for_each(|a| *a = round_f16(*a * ms));
+                f16_accumulate(be, acc, None, ms);
             } else {
                 vs = (s - m).exp();
             }
-            for (a, v) in acc.iter_mut().zip(&values[j * hd..(j + 1) * hd]) {
-                *a = round_f16(v.mul_add(vs, *a));
-            }
+            f16_accumulate(be, acc, Some(&values[j * hd..(j + 1) * hd]), vs);
             sum = sum.mul_add(ms, vs);
         }
         let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
         oh.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = a * inv);
+    }
+}
+
+/// The flash kernel's f16 accumulator update: `acc = f16(v * k + acc)`
+/// (GGML's `ggml_vec_mad_f16`), or `acc = f16(acc * k)` without `v`
+/// (`ggml_vec_scale_f16`); element by element, so any width gives the
+/// same bits.
+fn f16_accumulate(be: Backend, acc: &mut [f32], v: Option<&[f32]>, k: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if be.has_avx2() && acc.len().is_multiple_of(8) {
+        // SAFETY: an AVX2 backend has F16C and FMA; lengths checked.
+        return unsafe { f16c::accumulate(acc, v, k) };
+    }
+    let _ = be;
+    match v {
+        Some(v) => acc.iter_mut().zip(v).for_each(|(a, x)| *a = round_f16(x.mul_add(k, *a))),
+        None => acc.iter_mut().for_each(|a| *a = round_f16(*a * k)),
     }
 }
 
@@ -224,6 +239,22 @@ fn f16c() -> bool {
 #[cfg(target_arch = "x86_64")]
 mod f16c {
     use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX2, FMA and F16C; `acc.len()` a multiple of 8, `v` at least as long.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn accumulate(acc: &mut [f32], v: Option<&[f32]>, k: f32) {
+        let kk = _mm256_set1_ps(k);
+        for i in (0..acc.len()).step_by(8) {
+            let a = _mm256_loadu_ps(acc.as_ptr().add(i));
+            let r = match v {
+                Some(v) => _mm256_fmadd_ps(_mm256_loadu_ps(v.as_ptr().add(i)), kk, a),
+                None => _mm256_mul_ps(a, kk),
+            };
+            let rounded = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i), rounded);
+        }
+    }
 
     /// # Safety
     /// AVX2 and F16C; `src.len() == dst.len()`.

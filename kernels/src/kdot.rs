@@ -309,6 +309,22 @@ pub mod avx2 {
     /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q6_k<const N: usize>(w: &[BlockQ6K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
+        dot_q6_k_as::<false, N>(w, xs)
+    }
+
+    /// One Q6_K row against `N` Q8_K rows in the order of llama.cpp's tiled
+    /// GEMM (twin of [`super::scalar::dot_q6_k_tiled`]).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q6_k_tiled<const N: usize>(w: &[BlockQ6K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
+        dot_q6_k_as::<true, N>(w, xs)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q6_k_as<const TILED: bool, const N: usize>(w: &[BlockQ6K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
+        let mut tiled = [0f32; N];
         let m4 = _mm256_set1_epi8(0xF);
         let m2 = _mm256_set1_epi8(3);
         let mut acc = [_mm256_setzero_ps(); N];
@@ -373,8 +389,15 @@ pub mod avx2 {
                 let q8sums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
                 let sub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
                 sumi = _mm256_sub_epi32(sumi, sub);
-                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[n]);
+                if TILED {
+                    tiled[n] = (hsum_i32(sumi) as f32 * xd).mul_add(y.d, tiled[n]);
+                } else {
+                    acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[n]);
+                }
             }
+        }
+        if TILED {
+            return tiled;
         }
         acc.map(|a| hsum(a))
     }
@@ -505,6 +528,9 @@ pub(crate) mod tests {
             // SAFETY: AVX2, FMA and F16C were checked above.
             let (a4, a6) = unsafe { (avx2::dot_q4_k::<false, 3>(&w4, refs), avx2::dot_q6_k(&w6, refs)) };
             assert_eq!(a4.map(f32::to_bits), scalar::dot_q4_k::<false, 3>(&w4, refs).map(f32::to_bits), "q4_k nb={nb}");
+            // SAFETY: as above.
+            let t6 = unsafe { avx2::dot_q6_k_tiled(&w6, refs) };
+            assert_eq!(t6.map(f32::to_bits), scalar::dot_q6_k_tiled(&w6, refs).map(f32::to_bits), "q6_k tiled");
             // SAFETY: as above.
             let p4 = unsafe { avx2::dot_q4_k::<true, 3>(&w4, refs) };
             assert_eq!(p4.map(f32::to_bits), scalar::dot_q4_k::<true, 3>(&w4, refs).map(f32::to_bits), "q4_k pairs");

@@ -442,63 +442,68 @@ unsafe fn row_sweep(
             }
         }};
     }
-    // Q4_K: each activation row in the order llama.cpp would use for it.
-    if let QData::Q4K(bl) = w.data {
-        for r in r0..r1 {
-            let wr = &bl[r * nb..(r + 1) * nb];
-            for b in b0..b1 {
-                let y = [x.krow(b)];
-                let v = match (be.has_avx2(), x.gemm4[b]) {
-                    #[cfg(target_arch = "x86_64")]
-                    (true, true) => kdot::avx2::dot_q4_k::<true, 1>(wr, y),
-                    #[cfg(target_arch = "x86_64")]
-                    (true, false) => kdot::avx2::dot_q4_k::<false, 1>(wr, y),
-                    (_, true) => kdot::scalar::dot_q4_k::<true, 1>(wr, y),
-                    (_, false) => kdot::scalar::dot_q4_k::<false, 1>(wr, y),
-                };
-                *dst.0.add(b * stride + r) = v[0];
-            }
-        }
-        return;
-    }
-    // Q6_K: rows llama.cpp's tiled GEMM would take, one by one.
-    if let QData::Q6K(bl) = w.data {
-        if x.tiled8[b0..b1].iter().any(|t| *t) {
+    // Q4_K and Q6_K: each activation row in the order llama.cpp would use
+    // for it (`QActs::group_rows`); runs of rows with the same order go
+    // four at a time.
+    macro_rules! by_order {
+        ($bl:expr, $flags:expr, $yes:expr, $no:expr) => {{
             for r in r0..r1 {
-                let wr = &bl[r * nb..(r + 1) * nb];
-                for b in b0..b1 {
-                    let y = [x.krow(b)];
-                    let v = match (be.has_avx2(), x.tiled8[b]) {
-                        (_, true) => kdot::scalar::dot_q6_k_tiled(wr, y),
-                        #[cfg(target_arch = "x86_64")]
-                        (true, false) => kdot::avx2::dot_q6_k(wr, y),
-                        (_, false) => kdot::scalar::dot_q6_k(wr, y),
-                    };
-                    *dst.0.add(b * stride + r) = v[0];
+                let wr = &$bl[r * nb..(r + 1) * nb];
+                let mut b = b0;
+                while b < b1 {
+                    let flag = $flags[b];
+                    if b + 4 <= b1 && $flags[b..b + 4].iter().all(|f| *f == flag) {
+                        let y: [&[BlockQ8K]; 4] = std::array::from_fn(|i| x.krow(b + i));
+                        let v = if flag { $yes(wr, y) } else { $no(wr, y) };
+                        for (i, vi) in v.iter().enumerate() {
+                            *dst.0.add((b + i) * stride + r) = *vi;
+                        }
+                        b += 4;
+                    } else {
+                        let y = [x.krow(b)];
+                        *dst.0.add(b * stride + r) = if flag { $yes(wr, y)[0] } else { $no(wr, y)[0] };
+                        b += 1;
+                    }
                 }
             }
             return;
-        }
+        }};
     }
     #[cfg(target_arch = "x86_64")]
     if be.has_avx2() {
         use kdot::avx2 as v;
         match w.data {
-            QData::Q6K(bl) => return sweep!(v::dot_q6_k, bl, krow),
-            QData::Q5_0(bl) => return sweep!(v::dot_q5_0, bl, row),
+            QData::Q4K(bl) => by_order!(bl, x.gemm4, v::dot_q4_k::<true, _>, v::dot_q4_k::<false, _>),
+            QData::Q6K(bl) => by_order!(bl, x.tiled8, v::dot_q6_k_tiled, v::dot_q6_k),
             _ => {}
+        }
+    }
+    {
+        use kdot::scalar as s;
+        match w.data {
+            QData::Q4K(bl) => by_order!(bl, x.gemm4, s::dot_q4_k::<true, _>, s::dot_q4_k::<false, _>),
+            QData::Q6K(bl) => by_order!(bl, x.tiled8, s::dot_q6_k_tiled, s::dot_q6_k),
+            _ => {}
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if be.has_avx2() {
+        use kdot::avx2 as v;
+        if let QData::Q5_0(bl) = w.data {
+            return sweep!(v::dot_q5_0, bl, row);
         }
     }
     let _ = be;
     use kdot::scalar as s;
     match w.data {
-        QData::Q6K(bl) => sweep!(s::dot_q6_k, bl, krow),
         QData::Q5K(bl) => sweep!(s::dot_q5_k, bl, krow),
         QData::Q3K(bl) => sweep!(s::dot_q3_k, bl, krow),
         QData::Q2K(bl) => sweep!(s::dot_q2_k, bl, krow),
         QData::Q5_0(bl) => sweep!(s::dot_q5_0, bl, row),
         QData::Q5_1(bl) => sweep!(s::dot_q5_1, bl, row),
-        QData::Q4_1(_) | QData::Q8_0(_) | QData::Q4K(_) => unreachable!("Q4_1, Q8_0 and Q4_K have their own sweeps"),
+        QData::Q4_1(_) | QData::Q8_0(_) | QData::Q4K(_) | QData::Q6K(_) => {
+            unreachable!("Q4_1, Q8_0, Q4_K and Q6_K have their own sweeps")
+        }
     }
 }
 
