@@ -8,7 +8,7 @@ Prints one JSON line per run and a summary with the ratios (issue 30's
 report: docs/benchmarks/engine-batch1-<date>.md).
 
     python3 scripts/bench_batch1.py --llama-bench PATH [--rounds 3] [--threads 2]
-        [--kernels auto|avx2|scalar] [--label NAME]
+        [--kernels auto|avx2|scalar] [--label NAME] [--model smollm2|gemma3-270m]
 
 --kernels caps pdmesh's kernels (PDMESH_KERNELS); build llama-bench to
 match (for avx2: -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
@@ -44,11 +44,11 @@ def llama(bench, model, threads):
     return {"prefill_512": pp, "batch_1": tg[0], "batch_1_depth_128": tg[128]}
 
 
-def pdmesh(threads, kernels):
+def pdmesh(model, threads, kernels):
     env = dict(os.environ, PDMESH_KERNELS=kernels)
 
     def run(prefill, depth):
-        out = subprocess.run([ENGINE, "bench", "--threads", str(threads), "--batches", "1", "--steps", "128",
+        out = subprocess.run([ENGINE, "bench", "--model", model, "--threads", str(threads), "--batches", "1", "--steps", "128",
                               "--prefill-tokens", str(prefill), "--decode-prompt", str(depth)],
                              capture_output=True, text=True, check=True, env=env).stdout
         return json.loads(out)
@@ -67,13 +67,14 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--label", default="")
+    ap.add_argument("--model", default="smollm2", help="catalogue name (smollm2, gemma3-270m)")
     a = ap.parse_args()
-    model = subprocess.run([ENGINE, "fetch"], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    model = subprocess.run([ENGINE, "fetch", a.model], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     ratios = {"batch_1": [], "batch_1_depth_128": [], "prefill_512": []}
     for r in range(a.rounds):
         ll = llama(a.llama_bench, model, a.threads)
         print(json.dumps({"round": r, "engine": "llama.cpp", **ll}), flush=True)
-        pd = pdmesh(a.threads, a.kernels)
+        pd = pdmesh(model, a.threads, a.kernels)
         print(json.dumps({"round": r, "engine": "pdmesh", **pd}), flush=True)
         for k in ratios:
             ratios[k].append(round(pd[k] / ll[k], 3))

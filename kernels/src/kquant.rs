@@ -287,6 +287,47 @@ pub fn dequantize_q5_0(blocks: &[BlockQ5_0], out: &mut [f32]) {
     }
 }
 
+/// Q5_0 blocks as Q8_0 blocks of the same values (`q - 16`) and scale:
+/// the Q8_0 dot products of them are the Q5_0 dot products, bit for bit.
+pub fn widen_q5_0(blocks: &[BlockQ5_0], out: &mut [crate::quant::BlockQ8_0]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::Backend::Avx2.runs_here() {
+        // SAFETY: AVX2 checked; `out` is at least as long (zip below otherwise).
+        return unsafe { widen_q5_0_avx2(blocks, out) };
+    }
+    for (b, o) in blocks.iter().zip(out.iter_mut()) {
+        o.d = b.d;
+        let h = u32::from_le_bytes(b.qh);
+        for j in 0..16 {
+            o.qs[j] = ((b.qs[j] & 0xF) as u32 | ((h >> j) & 1) << 4) as i8 - 16;
+            o.qs[j + 16] = ((b.qs[j] >> 4) as u32 | ((h >> (j + 16)) & 1) << 4) as i8 - 16;
+        }
+    }
+}
+
+/// [`widen_q5_0`] with GGML's `bytes_from_bits_32` (as `dot_q5_0` unpacks).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_q5_0_avx2(blocks: &[BlockQ5_0], out: &mut [crate::quant::BlockQ8_0]) {
+    use std::arch::x86_64::*;
+    let lowmask = _mm256_set1_epi8(0x0F);
+    let spread = _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303);
+    let bitmask = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfeu64 as i64);
+    let f0 = _mm256_set1_epi8(0xF0u8 as i8);
+    for (b, o) in blocks.iter().zip(out.iter_mut()) {
+        let tmp = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
+        let qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp), lowmask);
+        let h = _mm256_shuffle_epi8(_mm256_set1_epi32(i32::from_le_bytes(b.qh)), spread);
+        let bits = _mm256_cmpeq_epi8(_mm256_or_si256(h, bitmask), _mm256_set1_epi64x(-1));
+        let q = _mm256_or_si256(qx, _mm256_andnot_si256(bits, f0));
+        o.d = b.d;
+        _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, q);
+    }
+}
+
 pub fn dequantize_q5_1(blocks: &[BlockQ5_1], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(32)) {
         let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
@@ -311,6 +352,18 @@ mod tests {
         assert_eq!(size_of::<BlockQ5_0>(), 22);
         assert_eq!(size_of::<BlockQ5_1>(), 24);
         assert_eq!(size_of::<BlockQ8K>(), 292);
+    }
+
+    #[test]
+    fn widened_q5_0_holds_the_same_values() {
+        let mut rng = crate::rng::Rng::new(3);
+        let blocks: Vec<BlockQ5_0> = crate::kdot::tests::random_blocks(&mut rng, 9, &[0]);
+        let mut wide = vec![crate::quant::BlockQ8_0 { d: 0, qs: [0; 32] }; 9];
+        widen_q5_0(&blocks, &mut wide);
+        let (mut a, mut b) = (vec![0f32; 9 * 32], vec![0f32; 9 * 32]);
+        dequantize_q5_0(&blocks, &mut a);
+        crate::quant::dequantize_q8_0(&wide, &mut b);
+        assert_eq!(a, b);
     }
 
     #[test]

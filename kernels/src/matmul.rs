@@ -241,6 +241,24 @@ pub fn matmul_many<const N: usize>(be: Backend, pool: &Pool, ws: [&QMatrix<'_>; 
         // Weight rows in slices that stay in L1 while a tile of activations passes.
         for rs in (r0..r1).step_by(ROW_SLICE) {
             let re = (rs + ROW_SLICE).min(r1);
+            // Q5_0 against several columns: the slice widened to Q8_0 once
+            // (the same integers and scales, so the Q8_0 kernels give the
+            // Q5_0 kernels' bits) and multiplied by the Q8_0 kernels.
+            if let (QData::Q5_0(bl), true) = (w.data, x.rows >= 4) {
+                let nb = w.blocks_per_row();
+                Q5_AS_Q8.with(|cell| {
+                    let buf = &mut *cell.borrow_mut();
+                    buf.resize((re - rs) * nb, BlockQ8_0 { d: 0, qs: [0; QK] });
+                    crate::kquant::widen_q5_0(&bl[rs * nb..re * nb], buf);
+                    let m = QMatrix { rows: re - rs, cols: w.cols, data: QData::Q8_0(buf) };
+                    for b0 in (0..x.rows).step_by(TILE_B) {
+                        let b1 = (b0 + TILE_B).min(x.rows);
+                        // SAFETY: as below; `m`'s row 0 is `w`'s row `rs`.
+                        unsafe { dot_rows_into(be, &m, 0, re - rs, x, b0, b1, SyncPtr(dsts[i].0.add(rs)), w.rows) };
+                    }
+                });
+                continue;
+            }
             for b0 in (0..x.rows).step_by(TILE_B) {
                 let b1 = (b0 + TILE_B).min(x.rows);
                 // SAFETY: each task writes only its own rows r0..r1 of every output row of matrix i.
@@ -248,6 +266,11 @@ pub fn matmul_many<const N: usize>(be: Backend, pool: &Pool, ws: [&QMatrix<'_>; 
             }
         }
     });
+}
+
+thread_local! {
+    /// A slice of Q5_0 weight rows widened to Q8_0 (see [`matmul_many`]).
+    static Q5_AS_Q8: std::cell::RefCell<Vec<BlockQ8_0>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Which matrix-product kernel [`matmul`] runs on `be` for a product with
@@ -619,6 +642,17 @@ mod tests {
                 };
                 let want = run(Backend::Scalar);
                 assert!(want.iter().all(|b| !f32::from_bits(*b).is_nan()), "{} left a cell unwritten", m.kind());
+                // Q5_0 widened to Q8_0 for several columns gives the Q5_0 kernel's bits.
+                if let QData::Q5_0(bl) = m.data {
+                    let mut qa = QActs::default();
+                    quantize_acts(Backend::Scalar, &pool, &x, batch, cols, &[ActKind::Q8], &mut qa);
+                    for b in 0..batch {
+                        for r in 0..rows {
+                            let direct = crate::kdot::scalar::dot_q5_0(&bl[r * 16..(r + 1) * 16], [qa.row(b)])[0];
+                            assert_eq!(want[b * rows + r], direct.to_bits(), "q5_0 row {r} column {b}");
+                        }
+                    }
+                }
                 for be in [Backend::Avx2, Backend::Avx512].into_iter().filter(|b| b.runs_here()) {
                     assert!(run(be) == want, "{be:?} differs from scalar: {} batch {batch}", m.kind());
                 }
