@@ -279,22 +279,27 @@ pub mod avx2 {
                 let mut pm = [0i32; 4];
                 _mm_storeu_si128(pm.as_mut_ptr() as *mut __m128i, prod);
                 let (d, dmin) = (xd * y.d, xdmin * y.d);
-                let mut sumi = 0i32;
-                for j in 0..4 {
+                let p: [__m256i; 4] = std::array::from_fn(|j| {
                     let q8l = _mm256_loadu_si256(y.qs.as_ptr().add(64 * j) as *const __m256i);
                     let q8h = _mm256_loadu_si256(y.qs.as_ptr().add(64 * j + 32) as *const __m256i);
                     let pl = _mm256_madd_epi16(sl[2 * j], _mm256_maddubs_epi16(ql[j], q8l));
                     let ph = _mm256_madd_epi16(sl[2 * j + 1], _mm256_maddubs_epi16(qh[j], q8h));
-                    let pair = hsum_i32(_mm256_add_epi32(pl, ph));
-                    if PAIRS {
-                        acc[n] = (pair as f32).mul_add(d, acc[n]);
+                    _mm256_add_epi32(pl, ph)
+                });
+                if PAIRS {
+                    // The four pairs' sums at once (exact integers), then
+                    // the FMA chains in pair order.
+                    let t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+                    let sums = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+                    let mut pair = [0i32; 4];
+                    _mm_storeu_si128(pair.as_mut_ptr() as *mut __m128i, sums);
+                    for j in 0..4 {
+                        acc[n] = (pair[j] as f32).mul_add(d, acc[n]);
                         accm[n] = (pm[j] as f32).mul_add(dmin, accm[n]);
-                    } else {
-                        sumi += pair;
                     }
-                }
-                if !PAIRS {
-                    acc[n] = (sumi as f32).mul_add(d, acc[n]);
+                } else {
+                    let all = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+                    acc[n] = (hsum_i32(all) as f32).mul_add(d, acc[n]);
                     accm[n] = (pm.iter().sum::<i32>() as f32).mul_add(dmin, accm[n]);
                 }
             }

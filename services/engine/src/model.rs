@@ -169,6 +169,25 @@ pub struct Model {
     dump_dir: Option<std::path::PathBuf>,
 }
 
+/// `f(x rows, out rows)` over whole rows of `x` (rows of `in_w` values,
+/// out rows of `out_w`) split between the pool's threads: for
+/// row-independent element-wise work (norms, activations), the same
+/// result as one call over everything.
+fn par_rows(pool: &Pool, x: &[f32], out: &mut [f32], in_w: usize, out_w: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
+    let rows = x.len() / in_w;
+    let per = rows.div_ceil(pool.threads()).max(1);
+    if rows < 2 * pool.threads() {
+        return f(x, out);
+    }
+    let dst = SyncPtr::new(out);
+    pool.run(rows.div_ceil(per), |t| {
+        let (r0, r1) = (t * per, ((t + 1) * per).min(rows));
+        // SAFETY: tasks write disjoint row ranges.
+        let o = unsafe { dst.slice(r0 * out_w, (r1 - r0) * out_w) };
+        f(&x[r0 * in_w..r1 * in_w], o);
+    });
+}
+
 /// Write `v` as raw little-endian f32 to `dir/name.f32` (debug dumps only;
 /// a failure is reported on stderr and otherwise ignored).
 fn dump_tensor(dir: &std::path::Path, name: &str, v: &[f32]) {
@@ -424,15 +443,16 @@ impl Model {
 
     /// `s.xn = rms_norm(s.x) * w`.
     fn norm_in(&self, st: &mut Step<'_, '_>, li: usize, w: &[f32]) {
-        let (s, eps, d) = (&mut *st.s, self.config.rms_eps, self.config.n_embd);
-        st.kn.run("rms_norm", li, d, d, || norm::rms_norm(&s.x, w, eps, &mut s.xn));
+        let (s, eps, d, pool) = (&mut *st.s, self.config.rms_eps, self.config.n_embd, st.pool);
+        st.kn.run("rms_norm", li, d, d, || par_rows(pool, &s.x, &mut s.xn, d, d, |x, o| norm::rms_norm(x, w, eps, o)));
     }
 
     /// `v = rms_norm(v) * w` in place, over rows of `w.len()` (a whole
     /// embedding, or one head).
-    fn norm_over(kn: &Kernels, li: usize, v: &mut Vec<f32>, tmp: &mut Vec<f32>, w: &[f32], eps: f32) {
+    fn norm_over(st: &mut Step<'_, '_>, li: usize, v: &mut Vec<f32>, tmp: &mut Vec<f32>, w: &[f32], eps: f32) {
         tmp.resize(v.len(), 0.0);
-        kn.run("rms_norm", li, w.len(), w.len(), || norm::rms_norm(v, w, eps, tmp));
+        let (n, pool) = (w.len(), st.pool);
+        st.kn.run("rms_norm", li, n, n, || par_rows(pool, v, tmp, n, n, |x, o| norm::rms_norm(x, w, eps, o)));
         std::mem::swap(v, tmp);
     }
 
@@ -470,14 +490,16 @@ impl Model {
 
     /// Per-head RMS norms of this step's queries and keys (Gemma 3).
     fn qk_norms(&self, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
-        let s = &mut *st.s;
         let eps = self.config.rms_eps;
+        let (mut q, mut k, mut tmp) =
+            (std::mem::take(&mut st.s.q), std::mem::take(&mut st.s.k), std::mem::take(&mut st.s.tmp));
         if let Some(w) = &l.q_norm {
-            Self::norm_over(&st.kn, li, &mut s.q, &mut s.tmp, w, eps);
+            Self::norm_over(st, li, &mut q, &mut tmp, w, eps);
         }
         if let Some(w) = &l.k_norm {
-            Self::norm_over(&st.kn, li, &mut s.k, &mut s.tmp, w, eps);
+            Self::norm_over(st, li, &mut k, &mut tmp, w, eps);
         }
+        (st.s.q, st.s.k, st.s.tmp) = (q, k, tmp);
     }
 
     /// RoPE on this step's queries and keys (at the layer's base); keys and
@@ -531,6 +553,24 @@ impl Model {
         (st.s.xn, st.s.gate, st.s.up) = (xn, gate, up);
     }
 
+    /// `s.gate = gelu(s.gate) * s.up` (GGML's GeGLU), rows split between threads.
+    fn geglu(&self, st: &mut Step<'_, '_>, li: usize) {
+        let (s, ff, pool) = (&mut *st.s, self.config.n_ff, st.pool);
+        let mut gate = std::mem::take(&mut s.gate);
+        st.kn.run("gelu_mul", li, ff, ff, || {
+            let g = SyncPtr::new(&mut gate);
+            let rows = s.up.len() / ff;
+            let per = rows.div_ceil(pool.threads()).max(1);
+            pool.run(rows.div_ceil(per), |t| {
+                let (r0, r1) = (t * per, ((t + 1) * per).min(rows));
+                // SAFETY: tasks touch disjoint row ranges of the gate.
+                let gr = unsafe { g.slice(r0 * ff, (r1 - r0) * ff) };
+                pdmesh_kernels::activation::gelu_mul(gr, &s.up[r0 * ff..r1 * ff]);
+            });
+        });
+        s.gate = gate;
+    }
+
     /// `s.proj = s.gate · W_downᵀ` (the activation already applied).
     fn down(&self, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
         let (gate, mut proj) = (std::mem::take(&mut st.s.gate), std::mem::take(&mut st.s.proj));
@@ -540,8 +580,9 @@ impl Model {
 
     /// `s.proj = rms_norm(s.proj) * w` (a norm of a block's output).
     fn post_norm(&self, st: &mut Step<'_, '_>, li: usize, w: &[f32]) {
-        let s = &mut *st.s;
-        Self::norm_over(&st.kn, li, &mut s.proj, &mut s.tmp, w, self.config.rms_eps);
+        let (mut proj, mut tmp) = (std::mem::take(&mut st.s.proj), std::mem::take(&mut st.s.tmp));
+        Self::norm_over(st, li, &mut proj, &mut tmp, w, self.config.rms_eps);
+        (st.s.proj, st.s.tmp) = (proj, tmp);
     }
 
     /// `s.x += s.proj`.

@@ -5,8 +5,6 @@
 //! every six layers attend through a sliding window with their own RoPE
 //! base. As llama.cpp's `src/models/gemma3.cpp`.
 
-use pdmesh_kernels::activation;
-
 use super::arch::ArchDef;
 use super::{load_f32, Layer, Model, Step};
 use crate::config::ModelConfig;
@@ -98,9 +96,7 @@ fn layer(m: &Model, st: &mut Step<'_, '_>, li: usize, l: &Layer) {
 
     m.norm_in(st, li, &l.ffn_norm);
     m.gate_up(st, li, l);
-    let ff = c.n_ff;
-    let s = &mut *st.s;
-    st.kn.run("gelu_mul", li, ff, ff, || activation::gelu_mul(&mut s.gate, &s.up));
+    m.geglu(st, li);
     m.dump("ffn_geglu", li, &st.s.gate);
     m.down(st, li, l);
     m.dump("ffn_out", li, &st.s.proj);
