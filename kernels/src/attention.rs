@@ -141,6 +141,130 @@ pub fn attend_flash(
     }
 }
 
+/// Positions per tile of llama.cpp's tiled flash attention (GGML_FA_TILE_KV),
+/// and the query rows of a step from which llama.cpp uses it (GGML_FA_TILE_Q).
+pub const FA_TILE_KV: usize = 64;
+pub const FA_TILE_Q: usize = 64;
+
+/// Attention as llama.cpp's tiled CPU flash-attention kernel computes one
+/// query row (`ggml_compute_forward_flash_attn_ext_tiled`, the path for
+/// steps of [`FA_TILE_Q`] rows or more): f32 queries, each score one FMA
+/// chain over the head's dimensions, and per tile of [`FA_TILE_KV`]
+/// positions (from position 0) the running maximum, an AVX-512 build's
+/// `ggml_v_expf` and its sum in f64 by 16, and each value dimension one FMA
+/// chain over the positions. `keys_t` is `[dim][stride]`, `values`
+/// `[position][head_dim]`; `q` and `out` hold `group` heads.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_flash_tiled(
+    be: Backend,
+    q: &[f32],
+    keys_t: &[f32],
+    stride: usize,
+    values: &[f32],
+    head_dim: usize,
+    visible: std::ops::Range<usize>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if be.has_avx2() {
+        // SAFETY: an AVX2 backend has FMA; the same code, compiled with it.
+        return unsafe { tiled_fma(q, keys_t, stride, values, head_dim, visible, scale, out) };
+    }
+    let _ = be;
+    tiled(q, keys_t, stride, values, head_dim, visible, scale, out)
+}
+
+/// [`tiled`] compiled with FMA and AVX2 (the same operations in the same order).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiled_fma(
+    q: &[f32],
+    keys_t: &[f32],
+    stride: usize,
+    values: &[f32],
+    head_dim: usize,
+    visible: std::ops::Range<usize>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    tiled(q, keys_t, stride, values, head_dim, visible, scale, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn tiled(
+    q: &[f32],
+    keys_t: &[f32],
+    stride: usize,
+    values: &[f32],
+    head_dim: usize,
+    visible: std::ops::Range<usize>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = head_dim;
+    assert!(visible.start < visible.end && visible.end <= stride, "attention over an empty window");
+    assert!(keys_t.len() >= hd * stride && values.len() >= visible.end * hd && hd <= 256);
+    let mut acc = [0f32; 256];
+    let mut scores = [0f32; FA_TILE_KV];
+    for (qh, oh) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
+        let acc = &mut acc[..hd];
+        acc.fill(0.0);
+        let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+        for t0 in (0..visible.end).step_by(FA_TILE_KV) {
+            let t1 = (t0 + FA_TILE_KV).min(visible.end);
+            if t1 <= visible.start {
+                continue;
+            }
+            tile_scores(qh, keys_t, stride, t0, t1, &mut scores);
+            for (i, s) in scores.iter_mut().enumerate() {
+                let pos = t0 + i;
+                *s = if pos >= visible.start && pos < t1 { *s * scale } else { f32::NEG_INFINITY };
+            }
+            let tile_max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            if tile_max == f32::NEG_INFINITY {
+                continue;
+            }
+            let m_new = m.max(tile_max);
+            if m_new > m {
+                let ms = (m - m_new).exp();
+                acc.iter_mut().for_each(|a| *a *= ms);
+                sum *= ms;
+            }
+            m = m_new;
+            let mut tile_sum = 0f64;
+            scores.iter_mut().for_each(|s| *s = ggml_ref::expf_x16(*s - m_new));
+            for g in scores.chunks_exact(16) {
+                tile_sum += ggml_ref::reduce16(g) as f64;
+            }
+            sum = (sum as f64 + tile_sum) as f32;
+            for (i, p) in scores[..t1 - t0].iter().enumerate() {
+                let v = &values[(t0 + i) * hd..(t0 + i + 1) * hd];
+                acc.iter_mut().zip(v).for_each(|(a, x)| *a = x.mul_add(*p, *a));
+            }
+        }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        oh.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = a * inv);
+    }
+}
+
+/// Scores of positions `t0..t1` (the rest of the tile left as is): for
+/// each, one FMA chain over the dimensions in order, from 0.
+#[inline(always)]
+fn tile_scores(q: &[f32], keys_t: &[f32], stride: usize, t0: usize, t1: usize, out: &mut [f32; FA_TILE_KV]) {
+    let n = t1 - t0;
+    out[..n].fill(0.0);
+    for (d, qd) in q.iter().enumerate() {
+        let row = &keys_t[d * stride + t0..d * stride + t1];
+        out[..n].iter_mut().zip(row).for_each(|(o, k)| *o = k.mul_add(*qd, *o));
+    }
+}
+
 /// The flash kernel's f16 accumulator update: `acc = f16(v * k + acc)`
 /// (GGML's `ggml_vec_mad_f16`), or `acc = f16(acc * k)` without `v`
 /// (`ggml_vec_scale_f16`); element by element, so any width gives the
@@ -375,6 +499,79 @@ mod tests {
 
     /// The transposing conversion puts every value where the scalar loop
     /// does, for row counts with and without a remainder of 8.
+    /// Both flash kernels (one row, tiled) are attention over the visible
+    /// window: near an f64 soft-max of the same scores, and the tiled one
+    /// gives the same bits on every backend.
+    #[test]
+    fn flash_kernels_attend_over_the_window() {
+        let mut rng = Rng::new(23);
+        let (hd, n) = (64usize, 150usize);
+        let q = rng.normal_vec(2 * hd);
+        let keys = rng.normal_vec(n * hd);
+        let values = rng.normal_vec(n * hd);
+        let stride = n.next_multiple_of(VALUE_PAD);
+        let mut keys_t = vec![0f32; hd * stride];
+        for p in 0..n {
+            for d in 0..hd {
+                keys_t[d * stride + p] = keys[p * hd + d];
+            }
+        }
+        for window in [0..n, 70..n, 0..1, 63..65] {
+            let mut want = vec![0f64; 2 * hd];
+            for h in 0..2 {
+                let s: Vec<f64> = window
+                    .clone()
+                    .map(|p| (0..hd).map(|d| q[h * hd + d] as f64 * keys[p * hd + d] as f64).sum::<f64>() * 0.125)
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (i, p) in window.clone().enumerate() {
+                    for d in 0..hd {
+                        want[h * hd + d] += e[i] / z * values[p * hd + d] as f64;
+                    }
+                }
+            }
+            let mut tiled = vec![f32::NAN; 2 * hd];
+            attend_flash_tiled(Backend::Scalar, &q, &keys_t, stride, &values, hd, window.clone(), 0.125, &mut tiled);
+            let mut one = vec![f32::NAN; 2 * hd];
+            attend_flash(Backend::Scalar, &q, &keys, &values, hd, window.clone(), 0.125, &mut one);
+            for i in 0..2 * hd {
+                assert!(
+                    (tiled[i] as f64 - want[i]).abs() < 1e-4,
+                    "tiled {window:?} [{i}]: {} vs {}",
+                    tiled[i],
+                    want[i]
+                );
+                // The one-row kernel rounds its accumulator to f16.
+                assert!((one[i] as f64 - want[i]).abs() < 5e-3, "one-row {window:?} [{i}]: {} vs {}", one[i], want[i]);
+            }
+            for be in [Backend::Avx2, Backend::Avx512].into_iter().filter(|b| b.runs_here()) {
+                let mut v = vec![f32::NAN; 2 * hd];
+                attend_flash_tiled(be, &q, &keys_t, stride, &values, hd, window.clone(), 0.125, &mut v);
+                assert_eq!(
+                    v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    tiled.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                );
+                let mut o = vec![f32::NAN; 2 * hd];
+                attend_flash(be, &q, &keys, &values, hd, window.clone(), 0.125, &mut o);
+                assert_eq!(
+                    o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    one.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn expf_x16_is_expf() {
+        for x in [-80.0f32, -20.0, -3.5, -1.0, -1e-3, 0.0, 0.7, 5.0] {
+            let (got, want) = (crate::ggml_ref::expf_x16(x), x.exp());
+            assert!((got - want).abs() <= want * 2e-6, "{x}: {got} vs {want}");
+        }
+        assert_eq!(crate::ggml_ref::expf_x16(f32::NEG_INFINITY), 0.0);
+    }
+
     #[test]
     fn f16_rows_to_columns_transposes() {
         let mut rng = Rng::new(4);

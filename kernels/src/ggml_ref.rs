@@ -30,6 +30,34 @@ pub fn expf(x: f32) -> f32 {
     }
 }
 
+/// One lane of GGML's `ggml_v_expf` in its AVX-512 form (the polynomial
+/// carries the 1, and `scalef` scales by 2^n with one rounding).
+#[inline(always)]
+pub fn expf_x16(x: f32) -> f32 {
+    let r = f32::from_bits(0x4B40_0000);
+    let z = x.mul_add(f32::from_bits(0x3FB8_AA3B), r);
+    let n = z - r;
+    let b = (-n).mul_add(f32::from_bits(0x35BF_BE8E), (-n).mul_add(f32::from_bits(0x3F31_7200), x));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    let u = b * b;
+    let j = f32::from_bits(0x3C07_2010)
+        .mul_add(b, f32::from_bits(0x3D2B_9F17))
+        .mul_add(u, f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB)))
+        .mul_add(u, f32::from_bits(0x3F7F_FFF6).mul_add(b, 1.0));
+    // j * 2^n, rounded once (exact in f64 before the conversion).
+    (j as f64 * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
+}
+
+/// GCC's `_mm512_reduce_add_ps` of 16 lanes.
+#[inline(always)]
+pub fn reduce16(x: &[f32]) -> f32 {
+    let t3: [f32; 8] = std::array::from_fn(|i| x[8 + i] + x[i]);
+    let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
+    (t6[0] + t6[2]) + (t6[1] + t6[3])
+}
+
 /// tinyBLAS's / GGML's `hsum` of 8 lanes.
 pub fn hsum8(l: [f32; 8]) -> f32 {
     let s = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
@@ -67,9 +95,7 @@ pub fn dot_vec4_x16(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     let x: [f32; 16] = std::array::from_fn(|k| (acc[0][k] + acc[2][k]) + (acc[1][k] + acc[3][k]));
-    let t3: [f32; 8] = std::array::from_fn(|i| x[8 + i] + x[i]);
-    let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
-    (t6[0] + t6[2]) + (t6[1] + t6[3])
+    reduce16(&x)
 }
 
 /// Twin of [`crate::ggml_avx2::dot_vec4`].

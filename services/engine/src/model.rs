@@ -24,7 +24,7 @@ use memmap2::Mmap;
 use std::path::Path;
 
 pub use pdmesh_kernels::attention::SumOrder;
-use pdmesh_kernels::attention::{attend_flash, attend_window, KvView, VALUE_PAD};
+use pdmesh_kernels::attention::{attend_flash, attend_flash_tiled, attend_window, KvView, FA_TILE_Q, VALUE_PAD};
 use pdmesh_kernels::formats::WeightError;
 use pdmesh_kernels::matmul::{acts_for, matmul_many, quantize_acts, QActs, QData, QMatrix};
 use pdmesh_kernels::pool::{Pool, SyncPtr};
@@ -660,9 +660,16 @@ impl Model {
             let order = item.order;
             ATT_SCRATCH.with(|cell| {
                 let (keys, vals, scores) = &mut *cell.borrow_mut();
-                keys.resize(n_ctx * hd, 0.0);
-                kv.gather(item.blocks, layer, 0, h, n_ctx, keys);
                 let stride = n_ctx.next_multiple_of(VALUE_PAD);
+                // llama.cpp's tiled kernel for a sequence's steps of 64+ rows.
+                let tiled = flash && item.tokens.len() >= FA_TILE_Q;
+                if tiled {
+                    keys.resize(hd * stride, 0.0);
+                    kv.gather_transposed(item.blocks, layer, 0, h, n_ctx, stride, keys);
+                } else {
+                    keys.resize(n_ctx * hd, 0.0);
+                    kv.gather(item.blocks, layer, 0, h, n_ctx, keys);
+                }
                 if flash {
                     vals.resize(n_ctx * hd, 0.0);
                     kv.gather(item.blocks, layer, 1, h, n_ctx, vals);
@@ -677,7 +684,9 @@ impl Model {
                     let o = unsafe { dst.slice(cols.start, cols.len()) };
                     let end = item.start_pos + qi + 1;
                     let first = window.map_or(0, |w| end.saturating_sub(w));
-                    if flash {
+                    if tiled {
+                        attend_flash_tiled(be, &q[cols], keys, stride, vals, hd, first..end, scale, o);
+                    } else if flash {
                         attend_flash(be, &q[cols], keys, vals, hd, first..end, scale, o);
                     } else {
                         let view = KvView { keys, values_t: vals, stride, head_dim: hd };
