@@ -155,6 +155,21 @@ mod tests {
     }
 
     #[test]
+    fn dot_vec4_x16_avx2_is_its_scalar_twin() {
+        if !crate::Backend::Avx2.runs_here() {
+            eprintln!("SKIPPED: no AVX2 here");
+            return;
+        }
+        let mut rng = crate::rng::Rng::new(77);
+        for n in [64usize, 256, 512] {
+            let (a, b) = (rng.normal_vec(n), rng.normal_vec(n));
+            // SAFETY: AVX2 and FMA checked above; lengths are multiples of 64.
+            let v = unsafe { crate::ggml_avx2::dot_vec4_x16(&a, &b) };
+            assert_eq!(v.to_bits(), super::dot_vec4_x16(&a, &b).to_bits(), "n={n}");
+        }
+    }
+
+    #[test]
     fn scalar_twins_are_bit_identical_to_avx2() {
         if !avx2() {
             eprintln!("SKIPPED: no AVX2/FMA on this CPU to compare against");

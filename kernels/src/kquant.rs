@@ -5,7 +5,7 @@
 //!
 //! Each dequantizer is checked bit for bit against the `gguf` package's
 //! NumPy dequantizer (`kernels/tests/data/kquant_vectors.bin`, made by
-//! `scripts/kquant_vectors.py`); each dot product in [`crate::kdot`]
+//! `scripts/kquant_vectors.py`); each dot product in `kdot.rs`
 //! against these.
 
 use crate::quant::f16_to_f32;
@@ -357,7 +357,7 @@ mod tests {
     #[test]
     fn widened_q5_0_holds_the_same_values() {
         let mut rng = crate::rng::Rng::new(3);
-        let blocks: Vec<BlockQ5_0> = crate::kdot::tests::random_blocks(&mut rng, 9, &[0]);
+        let blocks: Vec<BlockQ5_0> = crate::testutil::random_blocks(&mut rng, 9, &[0]);
         let mut wide = vec![crate::quant::BlockQ8_0 { d: 0, qs: [0; 32] }; 9];
         widen_q5_0(&blocks, &mut wide);
         let (mut a, mut b) = (vec![0f32; 9 * 32], vec![0f32; 9 * 32]);

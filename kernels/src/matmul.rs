@@ -619,7 +619,7 @@ mod tests {
     /// bits, for batches with remainders, with both activation forms made.
     #[test]
     fn k_quant_products_give_the_scalar_bits_on_every_backend() {
-        use crate::kdot::tests::random_blocks;
+        use crate::testutil::random_blocks;
         let pool = Pool::new(2);
         let mut rng = Rng::new(17);
         let (rows, cols) = (13usize, 512usize);
