@@ -306,8 +306,9 @@ impl Model {
     }
 
     pub fn from_gguf(g: &Gguf) -> Result<Model> {
+        // The architecture first: an unknown one is named, whatever keys it lacks.
+        let arch = arch::find(g.get_str("general.architecture")?)?;
         let mut c = ModelConfig::from_gguf(g)?;
-        let arch = arch::find(&c.arch)?;
         (arch.hparams)(g, &mut c)?;
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {

@@ -215,6 +215,28 @@ fn bad_model_files_are_clear_errors() {
         };
         assert!(e.contains("truncated") || e.contains("file ends"), "cut at {cut}: {e}");
     }
+
+    // An architecture the engine does not run, and a tensor of a type it
+    // cannot read, are refused by name (the real file, one field changed).
+    let find = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).position(|w| w == needle).unwrap();
+    let mut other = real.clone();
+    let at = find(&other, b"general.architecture") + b"general.architecture".len() + 4 + 8;
+    assert_eq!(&other[at..at + 5], b"llama");
+    other[at..at + 5].copy_from_slice(b"mamba");
+    let p = dir.join("mamba.gguf");
+    std::fs::write(&p, &other).unwrap();
+    let e = Model::from_gguf(&Gguf::open(&p).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("\"mamba\"") && e.contains("llama, gemma3"), "{e}");
+
+    let mut iq = real.clone();
+    // output_norm.weight: name, 1 dimension (u32), 576 (u64), then its type id (u32, F32 = 0).
+    let at = find(&iq, b"output_norm.weight") + b"output_norm.weight".len() + 4 + 8;
+    assert_eq!(&iq[at..at + 4], &0u32.to_le_bytes());
+    iq[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
+    let p = dir.join("iq2.gguf");
+    std::fs::write(&p, &iq).unwrap();
+    let e = Gguf::open(&p).unwrap_err().to_string();
+    assert!(e.contains("output_norm.weight") && e.contains("IQ2_XXS"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -28,6 +28,12 @@ const SWA_ROPE_BASE: f32 = 10_000.0;
 
 fn hparams(g: &Gguf, c: &mut ModelConfig) -> Result<()> {
     let k = |s: &str| format!("gemma3.{s}");
+    if !c.head_dim.is_multiple_of(64) {
+        return Err(EngineError::Unsupported(format!(
+            "gemma3 with heads of {} (flash attention takes multiples of 64)",
+            c.head_dim
+        )));
+    }
     if g.get_f32(&k("rope.scaling.factor")).is_ok_and(|f| f != 1.0) {
         return Err(EngineError::Unsupported("gemma3 with RoPE scaling (the 4B and larger models)".into()));
     }
