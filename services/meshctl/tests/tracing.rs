@@ -330,7 +330,10 @@ async fn traces_span_the_mesh_and_explain_finds_the_cause() {
     let long = || chat_body("Count from one to twenty.", r#","max_tokens":32,"ignore_eos":true,"stream":true"#);
     let (e, _, _) = traced(&mesh, &sink, short()).await;
     assert_ne!(e.dominant, "client write", "{}", e.table());
-    assert!(share(&e, "client write") < 0.05 && share(&e, "queue wait") < 0.05, "{}", e.table());
+    // Without faults neither cause is more than scheduling noise. On 2
+    // shared cores a wake-up of the prefill loop alone has taken 4.7 ms of
+    // an 82 ms request (5.8%, CI); the faults below plant 50%+.
+    assert!(share(&e, "client write") < 0.15 && share(&e, "queue wait") < 0.15, "{}", e.table());
 
     // A slow client: each SSE chunk is taken 150 ms late, so the delay
     // planted is 150 ms times the chunks the client received.
