@@ -2,6 +2,10 @@
 
 use std::net::SocketAddr;
 
+fn check_pool(s: &str) -> Result<String, String> {
+    crate::discovery::check_pool(s).map(|_| s.to_string())
+}
+
 #[derive(clap::Args, Debug, Clone, Default, serde::Serialize)]
 pub struct CommonArgs {
     /// HTTP address for /health, /metrics and /statusz (off when unset).
@@ -13,6 +17,12 @@ pub struct CommonArgs {
     /// How the instance drains on SIGTERM.
     #[command(flatten)]
     pub drain: crate::drain::DrainArgs,
+    /// The model pool this instance serves, in a mesh of several models:
+    /// it registers and finds its peers as `KIND@POOL` in discovery, so it
+    /// only meets its own model's instances (the gateway serves every pool
+    /// and takes none). Unset: the mesh serves one model.
+    #[arg(long, env = "PDMESH_POOL", value_parser = check_pool)]
+    pub pool: Option<String>,
     /// Instance id in the registry (default: `<service>-<pid>`).
     #[arg(long, env = "PDMESH_INSTANCE_ID")]
     pub instance_id: Option<String>,
@@ -28,8 +38,13 @@ pub struct CommonArgs {
 
 impl CommonArgs {
     /// The discovery backend of `--discovery` / `--registry-dir`, if any.
+    /// Inside `--pool`, the pool's view of it.
     pub fn open_discovery(&self) -> Result<Option<std::sync::Arc<dyn crate::discovery::Discovery>>, String> {
-        self.discovery.locator().map(|l| self.discovery.open(&l).map_err(|e| e.to_string())).transpose()
+        let d = self.discovery.locator().map(|l| self.discovery.open(&l).map_err(|e| e.to_string())).transpose()?;
+        Ok(match (&self.pool, d) {
+            (Some(p), Some(d)) => Some(crate::discovery::pooled(d, p)),
+            (_, d) => d,
+        })
     }
 
     /// This instance's id: `--instance-id`, else `<service>-<pid>`.

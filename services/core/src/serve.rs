@@ -54,6 +54,7 @@ impl Admin {
             service: state.service().to_string(),
             instance_id: common.instance_id(state.service()),
             config: state.config().clone(),
+            model: common.pool.clone(),
         };
         if crate::telemetry::init(&common.telemetry, &id)? {
             eprintln!(
@@ -87,6 +88,9 @@ impl Admin {
         meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
         meta.insert("config_hash".to_string(), crate::telemetry::config_hash(config));
         meta.insert("role".to_string(), service.to_string());
+        if let Some(p) = &common.pool {
+            meta.insert(crate::discovery::META_MODEL.to_string(), p.clone());
+        }
         if let Some(t) = config["transport"].as_str() {
             meta.insert("kv_transport".to_string(), t.to_string());
         }

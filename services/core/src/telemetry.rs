@@ -67,16 +67,20 @@ pub struct Identity {
     pub instance_id: String,
     /// Effective configuration as shown on /statusz; hashed, not exported.
     pub config: serde_json::Value,
+    /// The model pool it serves (`--pool`), if any.
+    pub model: Option<String>,
 }
 
 impl Identity {
     fn attributes(&self) -> Vec<KeyValue> {
-        vec![
+        let mut v = vec![
             KeyValue::new(attr::SERVICE_NAME, format!("pdmesh-{}", self.service)),
             KeyValue::new(attr::SERVICE_INSTANCE_ID, self.instance_id.clone()),
             KeyValue::new(attr::SERVICE_VERSION, env!("CARGO_PKG_VERSION")),
             KeyValue::new(attr::CONFIG_HASH, config_hash(&self.config)),
-        ]
+        ];
+        v.extend(self.model.clone().map(|m| KeyValue::new(attr::MODEL, m)));
+        v
     }
 }
 
@@ -354,7 +358,8 @@ mod tests {
 
     #[test]
     fn a_bad_ratio_is_refused_even_without_an_endpoint() {
-        let id = Identity { service: "t".into(), instance_id: "t-1".into(), config: serde_json::json!({}) };
+        let id =
+            Identity { service: "t".into(), instance_id: "t-1".into(), config: serde_json::json!({}), model: None };
         let bad = TelemetryArgs { trace_sample_ratio: 1.5, ..Default::default() };
         assert!(matches!(init(&bad, &id), Err(TelemetryError::Ratio(_))));
         assert!(!init(&TelemetryArgs::default(), &id).unwrap(), "off without an endpoint");

@@ -22,9 +22,16 @@ pub struct Config {
     /// Router address(es); default: found in the registry.
     #[arg(long, env = "PDMESH_ROUTER_ADDR", value_delimiter = ',')]
     pub router_addr: Vec<String>,
-    /// The model name clients must ask for (listed by /v1/models).
+    /// The model name clients must ask for (listed by /v1/models), in a
+    /// mesh of one model.
     #[arg(long, env = "PDMESH_GATEWAY_MODEL_NAME", default_value = "smollm2-135m-instruct")]
     pub model_name: String,
+    /// Serve several models: each name is a model pool (the `--pool` of
+    /// that model's tokenizer, prefill, decode, router and kvbroker).
+    /// Clients name the pool in `model`; its routers are found in discovery
+    /// as `router@NAME`. Replaces --model-name; needs --discovery.
+    #[arg(long, env = "PDMESH_GATEWAY_MODELS", value_delimiter = ',')]
+    pub models: Vec<String>,
     /// Longest a request may take, in seconds. A client's `x-request-timeout`
     /// header (seconds) can only shorten it.
     #[arg(long, env = "PDMESH_GATEWAY_REQUEST_TIMEOUT_S", default_value_t = 600.0)]

@@ -43,7 +43,8 @@ use pdmesh_core::vocab::{attr, span};
 
 pub struct Gateway {
     config: Config,
-    router: Peers,
+    /// Each served model's name and its routers, in `/v1/models` order.
+    routers: Vec<(String, Peers)>,
     in_flight: AtomicU64,
     next_id: AtomicU64,
     outcomes: Outcomes,
@@ -243,6 +244,7 @@ async fn handle(g: Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind) 
         url.path = path,
         { attr::HTTP_STATUS_CODE } = tracing::field::Empty,
         { attr::REQUEST_ID } = tracing::field::Empty,
+        { attr::MODEL } = tracing::field::Empty,
         { attr::CLIENT_WAIT_MS } = tracing::field::Empty,
         { attr::CLIENT_TAIL_MS } = tracing::field::Empty,
         { attr::CHUNKS } = tracing::field::Empty,
@@ -450,15 +452,17 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind
         Ok(b) => b,
         Err(r) => return Reply::Done(r),
     };
-    let mut parsed = match openai::parse(&body, kind, &g.config.model_name, g.config.default_max_tokens) {
+    let mut parsed = match openai::parse(&body, kind, &g.served(), g.config.default_max_tokens) {
         Ok(p) => p,
         Err(e) => return Reply::Done(bad_request(e)),
     };
+    tracing::Span::current().record(attr::MODEL, parsed.model.as_str());
+    let router = g.routers_of(&parsed.model);
     let id = request_id(g, &headers, chat);
     parsed.request.request_id = id.clone();
     tracing::Span::current().record(attr::REQUEST_ID, id.as_str());
     let deadline = deadline(g, &headers);
-    let up = match Upstream::open(g.router.clone(), parsed.request, deadline).await {
+    let up = match Upstream::open(router, parsed.request, deadline).await {
         Ok(o) => o,
         Err(r) => return Reply::Done(r),
     };
@@ -567,16 +571,71 @@ async fn models(State(g): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
     if let Some(Err(refused)) = g.keys.as_ref().map(|k| k.verify(&headers)) {
         return refused_response(&refused);
     }
-    let body = json!({ "object": "list", "data": [{ "id": g.config.model_name, "object": "model", "created": 0, "owned_by": "pdmesh" }] });
+    let data: Vec<Value> =
+        g.served().iter().map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "pdmesh" })).collect();
+    let body = json!({ "object": "list", "data": data });
     ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
 
+/// 200 while some model has a router; the text names any model without one.
 async fn health(State(g): State<Arc<Gateway>>) -> Response {
-    if g.router.instances().is_empty() {
-        (StatusCode::SERVICE_UNAVAILABLE, "no router\n").into_response()
-    } else {
-        (StatusCode::OK, "ok\n").into_response()
+    let lacking: Vec<&str> =
+        g.routers.iter().filter(|(_, p)| p.instances().is_empty()).map(|(m, _)| m.as_str()).collect();
+    match (lacking.len(), g.routers.len() > 1) {
+        (0, _) => (StatusCode::OK, "ok\n").into_response(),
+        (_, false) => (StatusCode::SERVICE_UNAVAILABLE, "no router\n").into_response(),
+        (n, true) if n == g.routers.len() => {
+            (StatusCode::SERVICE_UNAVAILABLE, "no router for any model\n").into_response()
+        }
+        _ => (StatusCode::OK, format!("ok\nno router for {}\n", lacking.join(", "))).into_response(),
     }
+}
+
+impl Gateway {
+    /// The model names clients may ask for.
+    fn served(&self) -> Vec<String> {
+        self.routers.iter().map(|(m, _)| m.clone()).collect()
+    }
+
+    /// The routers of `model` (one the parser accepted).
+    fn routers_of(&self, model: &str) -> Peers {
+        self.routers.iter().find(|(m, _)| m == model).map_or_else(|| self.routers[0].1.clone(), |(_, p)| p.clone())
+    }
+
+    /// Until some model has a router.
+    async fn wait_for_a_router(&self) {
+        while self.routers.iter().all(|(_, p)| p.instances().is_empty()) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Each served model with its routers: `--models`' pools through
+/// discovery, else `--model-name` with `--router-addr` or plain `router`.
+fn routers(config: &Config) -> Result<Vec<(String, Peers)>, ServeError> {
+    let setup = |m: String| Err(ServeError::Setup(m));
+    if config.common.pool.is_some() {
+        return setup("the gateway serves every model pool and is in none: give it --models, not --pool".into());
+    }
+    if config.models.is_empty() {
+        let router = Peers::resolve(&config.common, "router", &config.router_addr).map_err(ServeError::Setup)?;
+        return Ok(vec![(config.model_name.clone(), router)]);
+    }
+    if !config.router_addr.is_empty() {
+        return setup("--router-addr serves one model; with --models each pool's routers come from discovery".into());
+    }
+    let Some(d) = config.common.open_discovery().map_err(ServeError::Setup)? else {
+        return setup("--models needs --discovery: each pool's routers are found there".into());
+    };
+    let mut out: Vec<(String, Peers)> = Vec::new();
+    for m in &config.models {
+        pdmesh_core::discovery::check_pool(m).map_err(ServeError::Setup)?;
+        if out.iter().any(|(n, _)| n == m) {
+            return setup(format!("--models names {m} twice"));
+        }
+        out.push((m.clone(), Peers::discovered(pdmesh_core::discovery::pooled(d.clone(), m), "router")));
+    }
+    Ok(out)
 }
 
 async fn method_not_allowed() -> Response {
@@ -612,10 +671,9 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let router = Peers::resolve(&config.common, "router", &config.router_addr).map_err(ServeError::Setup)?;
     let g = Arc::new(Gateway {
         config: config.clone(),
-        router,
+        routers: routers(&config)?,
         in_flight: AtomicU64::new(0),
         next_id: AtomicU64::new(0),
         outcomes: Outcomes::default(),
@@ -652,7 +710,7 @@ pub async fn serve(
             return Ok(());
         }
         _ = &mut shutdown => pdmesh_core::serve::Announced::none(),
-        _ = g.router.wait_any(Duration::from_secs(10 * 365 * 86400)) => {
+        _ = g.wait_for_a_router() => {
             let mut a = admin.announce("gateway", &config.common, addr).await?;
             tokio::select! {
                 r = &mut server => {

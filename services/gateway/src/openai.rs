@@ -63,17 +63,18 @@ fn invalid(message: String) -> BadRequest {
     BadRequest { status: 400, message, param: None, code: None }
 }
 
-/// The served model, or 404 naming the one that is.
-fn model(o: &Map<String, Value>, model_name: &str) -> Result<String, BadRequest> {
+/// One of the served models, or 404 naming those that are.
+fn model(o: &Map<String, Value>, served: &[String]) -> Result<String, BadRequest> {
     let model = match o.get("model") {
         Some(Value::String(m)) => m.clone(),
         None => return Err(bad("model", "model is required")),
         Some(_) => return Err(bad("model", "model must be a string")),
     };
-    if model != model_name {
+    if !served.contains(&model) {
+        let names: Vec<String> = served.iter().map(|m| format!("`{m}`")).collect();
         return Err(BadRequest {
             status: 404,
-            message: format!("The model `{model}` does not exist; this server serves `{model_name}`"),
+            message: format!("The model `{model}` does not exist; this server serves {}", names.join(", ")),
             param: Some("model"),
             code: Some("model_not_found"),
         });
@@ -228,10 +229,10 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BadRequest> {
 }
 
 /// Parse a `/v1/chat/completions` or `/v1/completions` body.
-pub fn parse(body: &[u8], kind: Kind, model_name: &str, default_max_tokens: u32) -> Result<Parsed, BadRequest> {
+pub fn parse(body: &[u8], kind: Kind, served: &[String], default_max_tokens: u32) -> Result<Parsed, BadRequest> {
     let v: Value = serde_json::from_slice(body).map_err(|e| invalid(format!("request body is not valid JSON: {e}")))?;
     let o = v.as_object().ok_or_else(|| invalid("request body must be a JSON object".into()))?;
-    let model = model(o, model_name)?;
+    let model = model(o, served)?;
     unsupported(o)?;
     let input = match kind {
         Kind::Chat => messages(o)?,
@@ -274,7 +275,7 @@ mod tests {
     use super::*;
 
     fn chat(body: &str) -> Result<Parsed, BadRequest> {
-        parse(body.as_bytes(), Kind::Chat, "m", 16)
+        parse(body.as_bytes(), Kind::Chat, &["m".to_string(), "n".to_string()], 16)
     }
 
     #[test]

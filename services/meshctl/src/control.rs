@@ -48,6 +48,11 @@ pub async fn open(mesh: &Mesh) -> Result<Control, String> {
         http_addr: Some(addr.clone()),
         meta: [("role".to_string(), "meshctl".to_string())].into(),
     };
+    let mut me = me;
+    let pools: Vec<String> = mesh.ctx.pools.iter().filter_map(|p| p.name.clone()).collect();
+    if !pools.is_empty() {
+        me.meta.insert(crate::status::META_POOLS.to_string(), pools.join(","));
+    }
     let registration = Some(d.register(me).await.map_err(|e| e.to_string())?);
     eprintln!("meshctl: control endpoint http://{addr} (meshctl scale / drain / restart)");
     Ok(Control { rx, registration })
@@ -94,7 +99,8 @@ pub struct Where {
 
 #[derive(clap::Args)]
 pub struct ScaleArgs {
-    /// KIND=N pairs: `prefill=2 decode=3` (prefill, decode, tokenizer, router).
+    /// KIND=N pairs: `prefill=2 decode=3` (prefill, decode, tokenizer,
+    /// router); in a mesh of several models, KIND@MODEL: `decode@gemma3-270m=2`.
     #[arg(required = true)]
     pub replicas: Vec<String>,
     #[command(flatten)]
@@ -111,7 +117,8 @@ pub struct DrainArgs {
 
 #[derive(clap::Args)]
 pub struct RestartArgs {
-    /// Kinds to restart, in this order (prefill, decode, tokenizer, router, gateway).
+    /// Kinds to restart, in this order (prefill, decode, tokenizer, router,
+    /// gateway); `decode@gemma3-270m` restarts one model's, `decode` every model's.
     pub kinds: Vec<String>,
     /// Every kind, in the order prefill, decode, tokenizer, router, gateway.
     #[arg(long, conflicts_with = "kinds")]

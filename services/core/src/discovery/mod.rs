@@ -13,6 +13,7 @@
 
 mod consul;
 mod file;
+mod pool;
 mod status;
 
 use std::collections::BTreeMap;
@@ -26,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 pub use consul::{Consul, ConsulConfig};
 pub use file::FileRegistry;
+pub use pool::{check_pool, pooled, pooled_kind, split_kind, META_MODEL};
 pub use status::{health, DiscoveryHealth};
 
 /// One running instance of a service.
@@ -48,7 +50,7 @@ pub struct Instance {
 pub enum DiscoveryError {
     #[error("registry {path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("invalid name {0:?}: use letters, digits, '-', '_' and '.'")]
+    #[error("invalid name {0:?}: use letters, digits, '-', '_', '.' and '@'")]
     BadName(String),
     /// The Consul agent could not be reached or refused a call: the message
     /// names the agent, the call and the reason.
@@ -327,10 +329,11 @@ pub async fn address_of(explicit: Option<&str>, service: &str, d: &dyn Discovery
         .ok_or_else(|| format!("no live {service} in {} (is `meshctl up` running?)", d.describe()))
 }
 
-/// Service kinds and instance ids: they name files and URL paths.
+/// Service kinds and instance ids: they name files and URL paths. '@'
+/// joins a kind and its model pool (`decode@gemma3-270m`).
 pub(crate) fn check_name(s: &str) -> Result<(), DiscoveryError> {
     let ok =
-        !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && s != "." && s != "..";
+        !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c)) && s != "." && s != "..";
     if ok {
         Ok(())
     } else {
