@@ -262,7 +262,8 @@ fn nixl_rate(
     let md: Vec<u8> =
         (0..md_hex.len() / 2).map(|i| u8::from_str_radix(&md_hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
     let nixl = Nixl::start("kvbench-source", local)?;
-    let ids: Vec<u32> = (0..blocks as u32).collect();
+    let pieces: Vec<(usize, usize, usize)> =
+        (0..blocks).map(|b| (b * BLOCK_BYTES, b * BLOCK_BYTES, BLOCK_BYTES)).collect();
     let far = TransferArena {
         addr: info["addr"].as_u64().unwrap_or(0) as usize,
         len: info["len"].as_u64().unwrap_or(0) as usize,
@@ -271,7 +272,7 @@ fn nixl_rate(
     let mut t = Vec::new();
     for i in 0..a.rounds + 1 {
         let t0 = Instant::now();
-        nixl.write("target", &md, far, &ids, &ids, BLOCK_BYTES, "kvbench", Duration::from_secs(10))?;
+        nixl.write("target", &md, far, &pieces, "kvbench", Duration::from_secs(10))?;
         if i > 0 {
             t.push(t0.elapsed().as_secs_f64());
         }

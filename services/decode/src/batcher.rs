@@ -449,7 +449,14 @@ impl Loop {
             Cmd::Import { seq, blob, sums, reply } => {
                 let r = self.engine.import_prompt_kv(seq, &blob);
                 if r.is_ok() {
-                    self.landed.insert(seq, (sums, Duration::ZERO));
+                    // TCP copies whole blocks; the sender checksummed what
+                    // a trimmed transfer moves, so that is taken here.
+                    let t0 = Instant::now();
+                    let sums = match self.engine.transfer_trimmed(seq) {
+                        Ok(true) => self.engine.transfer_checksums(seq).unwrap_or(sums),
+                        _ => sums,
+                    };
+                    self.landed.insert(seq, (sums, t0.elapsed()));
                 }
                 let _ = reply.send(r);
             }

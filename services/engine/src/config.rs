@@ -20,6 +20,8 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub bos_id: u32,
     pub eos_id: u32,
+    /// Tokens that end a generation ([`end_of_generation`]), sorted.
+    pub eog_ids: Vec<u32>,
     /// How each layer attends: its window and RoPE base (the architecture
     /// file fills these in; a plain model has every layer global).
     pub layers: Vec<LayerAttn>,
@@ -32,6 +34,44 @@ pub struct LayerAttn {
     /// every earlier position (a global layer).
     pub window: Option<usize>,
     pub rope_base: f32,
+}
+
+/// Token texts that end a generation whatever their id, as llama.cpp
+/// lists them (`llama-vocab.cpp`): chat turns' ends of several families.
+const END_TEXTS: [&str; 13] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "</s>",
+];
+
+/// The tokens that end a generation, as llama.cpp counts them: EOS, the
+/// EOT and EOM tokens the file names, and every token whose text is in
+/// [`END_TEXTS`] (Gemma 3: `<eos>`, `<end_of_turn>`, `</s>`; SmolLM2:
+/// `<|endoftext|>`, `<|im_end|>`).
+fn end_of_generation(g: &Gguf) -> Result<Vec<u32>> {
+    let mut ids: Vec<u32> = ["eos", "eot", "eom"]
+        .iter()
+        .filter_map(|k| g.get_u64(&format!("tokenizer.ggml.{k}_token_id")).ok().map(|v| v as u32))
+        .collect();
+    if ids.is_empty() {
+        ids.push(2);
+    }
+    if let Ok(tokens) = g.get_str_array("tokenizer.ggml.tokens") {
+        ids.extend(tokens.iter().enumerate().filter(|(_, t)| END_TEXTS.contains(t)).map(|(i, _)| i as u32));
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(ids)
 }
 
 impl ModelConfig {
@@ -80,6 +120,7 @@ impl ModelConfig {
             context_length: g.get_u64(&k("context_length"))? as usize,
             bos_id: g.get_u64("tokenizer.ggml.bos_token_id").unwrap_or(1) as u32,
             eos_id: g.get_u64("tokenizer.ggml.eos_token_id").unwrap_or(2) as u32,
+            eog_ids: end_of_generation(g)?,
             layers: vec![LayerAttn { window: None, rope_base }; n_layers],
             arch,
         })

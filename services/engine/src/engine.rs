@@ -142,6 +142,10 @@ struct Sequence {
     /// prompt, or for one handed over mid-stream ([`Engine::reserve_continued`])
     /// its prompt and all but the last of its replayed tokens.
     n_transfer: usize,
+    /// Its KV came by a transfer that left out what its windows no longer
+    /// see ([`crate::kv::Shipped`]): its blocks never join the prefix
+    /// cache, where a shorter prompt would read those parts.
+    trimmed: bool,
 }
 
 impl Sequence {
@@ -172,7 +176,7 @@ impl Sequence {
     /// alike are offered: a one-token last chunk runs in the single-token
     /// summation order, so that position is left out.
     fn store_blocks(&mut self, kv: &mut KvCache, chunk: usize, keep_tail_open: bool) {
-        let Some((seed, bs)) = kv.blocks.hashing() else { return };
+        let Some((seed, bs)) = kv.blocks.hashing().filter(|_| !self.trimmed) else { return };
         let last_chunk = (self.n_prompt - 1) % chunk + 1;
         let cacheable = self.n_prompt - usize::from(last_chunk == 1);
         let done = self.n_cached.min(cacheable);
@@ -201,7 +205,7 @@ impl Sequence {
     /// cache: its full blocks under the chain of all its tokens, then its
     /// last, partial block. Blocks already stored stay as they are.
     fn store_all(&self, kv: &mut KvCache) {
-        let Some((seed, bs)) = kv.blocks.hashing() else { return };
+        let Some((seed, bs)) = kv.blocks.hashing().filter(|_| !self.trimmed) else { return };
         let done = &self.tokens[..self.n_cached];
         let hashes = pdmesh_prefix::chain(seed, bs, done, usize::MAX);
         let mut parent = seed;
@@ -283,12 +287,14 @@ impl Engine {
             block_size: options.block_size,
         };
         let (cuda, backend_note) = open_backend(&model, layout, &options)?;
+        let mut kv = KvCache::with_prefix(layout, options.kv_blocks, Some(prefix));
+        kv.set_windows(model.config.layers.iter().map(|l| l.window).collect());
         Ok(Engine {
             transfers_in_vram: cuda.is_some(),
             device_sampling: true,
             cuda,
             backend_note,
-            kv: KvCache::with_prefix(layout, options.kv_blocks, Some(prefix)),
+            kv,
             pool: Pool::new(options.threads),
             scratch: Scratch::default(),
             seqs: HashMap::new(),
@@ -463,6 +469,7 @@ impl Engine {
             tail_stored: false,
             n_reused,
             n_transfer: n_prompt,
+            trimmed: false,
         };
         self.seqs.insert(id, seq);
         Ok(id)
@@ -655,6 +662,7 @@ impl Engine {
             return Err(EngineError::BadToken(token));
         }
         s.n_cached = s.n_transfer;
+        s.trimmed = self.kv.shipped(s.n_transfer).trimmed > 0;
         let before_last = s.n_transfer - s.n_prompt;
         s.tokens.extend_from_slice(&s.params.replay[..before_last]);
         // The prompt's KV is in VRAM already (written there by NIXL, or
@@ -674,14 +682,14 @@ impl Engine {
     }
 
     fn push_token(&mut self, id: SeqId, token: u32) -> Result<TokenEvent> {
-        let eos = self.model.config.eos_id;
+        let eog = &self.model.config.eog_ids;
         let max_ctx = self.max_context();
         let s = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSequence(id))?;
         // A migrated sequence's next token is the one it already sent.
         let replayed = s.params.replay.get(s.generated()).copied();
         let token = replayed.unwrap_or(token);
         s.tokens.push(token);
-        let stop = (!s.params.ignore_eos && token == eos) || s.params.stop_ids.contains(&token);
+        let stop = (!s.params.ignore_eos && eog.binary_search(&token).is_ok()) || s.params.stop_ids.contains(&token);
         s.finish = if stop {
             Some(FinishReason::Stop)
         } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= max_ctx {
@@ -744,6 +752,18 @@ impl Engine {
     pub fn kv_checksums(&self, id: SeqId) -> Result<Vec<u32>> {
         let s = self.seq(id)?;
         self.checksums_of(&s.blocks, s.n_cached)
+    }
+
+    /// What a transfer of a sequence's cached positions moves of each of
+    /// its blocks (all of each, unless sliding windows trim the oldest).
+    pub fn shipped(&self, id: SeqId) -> Result<crate::kv::Shipped> {
+        Ok(self.kv.shipped(self.seq(id)?.n_cached))
+    }
+
+    /// Whether the KV a transfer brings a reserved sequence leaves parts
+    /// out (its checksums are then taken from its blocks once it landed).
+    pub fn transfer_trimmed(&self, id: SeqId) -> Result<bool> {
+        Ok(self.kv.shipped(self.seq(id)?.n_transfer).trimmed > 0)
     }
 
     /// CRC-32C of each block of the positions a transfer brought a
@@ -809,6 +829,7 @@ impl Engine {
         let s = self.seqs.get_mut(&id).expect("just added");
         s.tokens = tokens;
         s.n_cached = blob.n_tokens;
+        s.trimmed = self.kv.shipped(blob.n_tokens).trimmed > 0;
         Ok(id)
     }
 

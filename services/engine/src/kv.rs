@@ -206,8 +206,62 @@ fn zeroed_f16(n: usize) -> Vec<f16> {
     unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut f16, v.len(), v.capacity()) }
 }
 
+/// What of a transfer's blocks the receiver reads, so what a transfer
+/// moves and checksums: every block whole, except that the first `trimmed`
+/// lie wholly before every sliding window's reach from the receiver's next
+/// position, and of those only the byte ranges `kept` (the global layers')
+/// are read. A model without windows trims nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Shipped {
+    pub trimmed: usize,
+    pub kept: Vec<std::ops::Range<usize>>,
+}
+
+impl Shipped {
+    /// The byte ranges of block `i` (of blocks `block_bytes` long) that move.
+    pub fn ranges(&self, i: usize, block_bytes: usize) -> Vec<std::ops::Range<usize>> {
+        if i < self.trimmed {
+            self.kept.clone()
+        } else {
+            vec![0..block_bytes]
+        }
+    }
+
+    /// Bytes moved for `n_blocks` blocks.
+    pub fn bytes(&self, n_blocks: usize, block_bytes: usize) -> usize {
+        let kept: usize = self.kept.iter().map(|r| r.len()).sum();
+        let t = self.trimmed.min(n_blocks);
+        t * kept + (n_blocks - t) * block_bytes
+    }
+}
+
+impl KvLayout {
+    /// What a transfer of `n_tokens` positions moves ([`Shipped`]), for a
+    /// model whose layer `l` attends over `windows[l]` positions (None:
+    /// all). The receiver's next query is at position `n_tokens`; a window
+    /// of `w` sees from `n_tokens + 1 - w`, so a block whose last position
+    /// is before that is read by the global layers only.
+    pub fn shipped(&self, windows: &[Option<usize>], n_tokens: usize) -> Shipped {
+        let Some(w) = windows.iter().flatten().max() else { return Shipped::default() };
+        let first_seen = (n_tokens + 1).saturating_sub(*w);
+        let trimmed = first_seen / self.block_size;
+        let layer_bytes = self.block_bytes() / self.n_layers;
+        let mut kept: Vec<std::ops::Range<usize>> = Vec::new();
+        for (l, _) in windows.iter().enumerate().filter(|(_, w)| w.is_none()) {
+            let r = l * layer_bytes..(l + 1) * layer_bytes;
+            match kept.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => kept.push(r),
+            }
+        }
+        Shipped { trimmed, kept }
+    }
+}
+
 pub struct KvCache {
     pub layout: KvLayout,
+    /// Each layer's sliding window (None: global), for what transfers move.
+    windows: Vec<Option<usize>>,
     data: Vec<f16>,
     /// Which blocks are free, held or cached for prefix reuse.
     pub blocks: Blocks,
@@ -233,7 +287,7 @@ impl KvCache {
     pub fn with_prefix(layout: KvLayout, n_blocks: usize, prefix: Option<PrefixConfig>) -> KvCache {
         let data = zeroed_f16(layout.block_elems() * n_blocks);
         advise_huge_pages(data.as_ptr() as *mut u8, data.len() * 2);
-        KvCache { layout, data, blocks: Blocks::new(n_blocks, prefix) }
+        KvCache { layout, windows: Vec::new(), data, blocks: Blocks::new(n_blocks, prefix) }
     }
 
     /// The arena's address and size in bytes: block `b` occupies
@@ -293,57 +347,72 @@ impl KvCache {
 
     /// Visit positions `0..n` of one head's keys (kv=0) or values (kv=1)
     /// block by block: `f(first position, f16 rows of the run)`.
+    /// Hand `f` each run of positions `seen` of one head that lies in one
+    /// block: (first position, its f16 values).
     fn for_each_run(
         &self,
         blocks: &[u32],
         layer: usize,
         kv: usize,
         head: usize,
-        n: usize,
+        seen: std::ops::Range<usize>,
         mut f: impl FnMut(usize, &[f16]),
     ) {
         let l = self.layout;
-        let mut pos = 0;
-        for b in blocks {
-            if pos >= n {
-                break;
-            }
-            let take = (n - pos).min(l.block_size);
-            let off = *b as usize * l.block_elems() + l.offset_in_block(layer, kv, head, 0);
+        let bs = l.block_size;
+        assert!(blocks.len() * bs >= seen.end, "block table too short for {} positions", seen.end);
+        let mut pos = seen.start;
+        while pos < seen.end {
+            let slot = pos % bs;
+            let take = (seen.end - pos).min(bs - slot);
+            let off = blocks[pos / bs] as usize * l.block_elems() + l.offset_in_block(layer, kv, head, slot);
             f(pos, &self.data[off..off + take * l.head_dim]);
             pos += take;
         }
-        assert_eq!(pos, n, "block table too short for {n} positions");
     }
 
-    /// Gather positions `0..n` of one head's keys or values into `dst`
-    /// (`n * head_dim` f32).
-    pub fn gather(&self, blocks: &[u32], layer: usize, kv: usize, head: usize, n: usize, dst: &mut [f32]) {
+    /// Gather positions `seen` of one head's keys or values into `dst`
+    /// (`seen.end * head_dim` f32), zeroing the positions before `seen`: a
+    /// sliding window's layer never reads (and a transfer may not have
+    /// brought) what lies before its window.
+    pub fn gather(
+        &self,
+        blocks: &[u32],
+        layer: usize,
+        kv: usize,
+        head: usize,
+        seen: std::ops::Range<usize>,
+        dst: &mut [f32],
+    ) {
         let hd = self.layout.head_dim;
-        self.for_each_run(blocks, layer, kv, head, n, |pos, run| {
+        dst[..seen.start * hd].fill(0.0);
+        self.for_each_run(blocks, layer, kv, head, seen, |pos, run| {
             pdmesh_kernels::attention::f16_to_f32_slice(run, &mut dst[pos * hd..pos * hd + run.len()]);
         });
     }
 
-    /// Gather positions `0..n` of one head's values transposed into `dst`
+    /// Gather positions `seen` of one head's values transposed into `dst`
     /// (`head_dim` rows of `stride` f32: `dst[d * stride + pos]`), zeroing
-    /// positions `n..stride`.
+    /// positions `0..seen.start` and `seen.end..stride`.
+    #[allow(clippy::too_many_arguments)]
     pub fn gather_transposed(
         &self,
         blocks: &[u32],
         layer: usize,
         kv: usize,
         head: usize,
-        n: usize,
+        seen: std::ops::Range<usize>,
         stride: usize,
         dst: &mut [f32],
     ) {
         let l = self.layout;
+        let (from, n) = (seen.start, seen.end);
         assert!(n <= stride && dst.len() >= l.head_dim * stride);
-        self.for_each_run(blocks, layer, kv, head, n, |pos, run| {
+        self.for_each_run(blocks, layer, kv, head, seen, |pos, run| {
             pdmesh_kernels::attention::f16_rows_to_f32_columns(run, l.head_dim, dst, stride, pos);
         });
         for d in 0..l.head_dim {
+            dst[d * stride..d * stride + from].fill(0.0);
             dst[d * stride + n..(d + 1) * stride].fill(0.0);
         }
     }
@@ -380,11 +449,32 @@ impl KvCache {
         Ok(KvBlob { layout: self.layout, n_tokens, bytes })
     }
 
-    /// CRC-32C of each block covering `n_tokens` positions (whole blocks,
-    /// padding included: transfers move whole blocks), read in place.
+    /// Set each layer's sliding window (None: global); a model without
+    /// windows need not call it.
+    pub fn set_windows(&mut self, windows: Vec<Option<usize>>) {
+        assert_eq!(windows.len(), self.layout.n_layers);
+        self.windows = windows;
+    }
+
+    /// What a transfer of `n_tokens` positions of this cache moves.
+    pub fn shipped(&self, n_tokens: usize) -> Shipped {
+        self.layout.shipped(&self.windows, n_tokens)
+    }
+
+    /// CRC-32C of what a transfer moves of each block covering `n_tokens`
+    /// positions ([`KvCache::shipped`]: whole blocks, padding included,
+    /// unless a window trims them), read in place.
     pub fn checksums(&self, blocks: &[u32], n_tokens: usize) -> Result<Vec<u32>> {
         let blocks = self.layout.covering(blocks, n_tokens)?;
-        Ok(blocks.iter().map(|b| crc32c::crc32c(f16_bytes(&self.data[self.block_range(*b)]))).collect())
+        let (plan, bb) = (self.shipped(n_tokens), self.layout.block_bytes());
+        Ok(blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let block = f16_bytes(&self.data[self.block_range(*b)]);
+                plan.ranges(i, bb).into_iter().fold(0, |crc, r| crc32c::crc32c_append(crc, &block[r]))
+            })
+            .collect())
     }
 
     /// Flip the bits of `mask` in byte `byte` of block `b` (fault injection:
@@ -476,6 +566,36 @@ mod tests {
         assert!(verify_checksums(&sums[..2], &sums).is_err(), "a missing block is caught too");
     }
 
+    /// Gemma 3 270M's KV: 18 layers, every sixth global, windows of 512.
+    #[test]
+    fn a_window_model_ships_its_old_blocks_global_layers_only() {
+        let l = KvLayout { n_layers: 18, n_kv_heads: 1, head_dim: 256, block_size: 16 };
+        let windows: Vec<Option<usize>> = (0..18).map(|i| if i % 6 == 5 { None } else { Some(512) }).collect();
+        let bb = l.block_bytes();
+        assert_eq!(bb, 294_912);
+        // 2,048 positions: the next query (2,048) sees 1,537 onwards, so
+        // blocks 0..96 keep layers 5, 11 and 17 only.
+        let plan = l.shipped(&windows, 2048);
+        assert_eq!(plan.trimmed, 96);
+        let lb = bb / 18;
+        assert_eq!(plan.kept, [5 * lb..6 * lb, 11 * lb..12 * lb, 17 * lb..18 * lb]);
+        assert_eq!(plan.bytes(128, bb), 14_155_776, "against {} for every block whole", 128 * bb);
+        assert_eq!(plan.ranges(96, bb), [0..bb]);
+        // Short prompts, and models without windows, ship whole blocks.
+        assert_eq!(l.shipped(&windows, 500).trimmed, 0);
+        assert_eq!(l.shipped(&windows, 527).trimmed, 1, "block 0 (0..15) is before 527 + 1 - 512");
+        assert_eq!(l.shipped(&[None; 18], 4096), Shipped::default());
+        // Checksums cover what moves: a byte outside it does not count.
+        let mut kv = KvCache::new(l, 40);
+        kv.set_windows(windows);
+        let blocks = kv.allocate(38).unwrap();
+        let before = kv.checksums(&blocks, 600).unwrap();
+        kv.flip_byte(blocks[0], 10, 0x40); // layer 0 of block 0: not shipped
+        assert_eq!(kv.checksums(&blocks, 600).unwrap(), before);
+        kv.flip_byte(blocks[0], 5 * lb + 10, 0x40); // layer 5: shipped
+        assert_ne!(kv.checksums(&blocks, 600).unwrap()[0], before[0]);
+    }
+
     #[test]
     fn write_gather_export_import_roundtrip() {
         let l = layout();
@@ -501,19 +621,29 @@ mod tests {
         b.import(&dst, &blob).unwrap();
         let mut ga = vec![f32::NAN; n * 8];
         let mut gb = vec![f32::NAN; n * 8];
-        a.gather(&blocks, 1, 1, 2, n, &mut ga);
-        b.gather(&dst, 1, 1, 2, n, &mut gb);
+        a.gather(&blocks, 1, 1, 2, 0..n, &mut ga);
+        b.gather(&dst, 1, 1, 2, 0..n, &mut gb);
         assert_eq!(ga, gb);
         assert_eq!(ga[9 * 8], 9112.0);
         let stride = 12;
         let mut gt = vec![f32::NAN; 8 * stride];
-        b.gather_transposed(&dst, 1, 1, 2, n, stride, &mut gt);
+        b.gather_transposed(&dst, 1, 1, 2, 0..n, stride, &mut gt);
         for pos in 0..n {
             for d in 0..8 {
                 assert_eq!(gt[d * stride + pos], ga[pos * 8 + d]);
             }
         }
         assert!(gt[stride - 1] == 0.0 && gt[8 * stride - 1] == 0.0);
+        // A window's view: positions before it are zeros, the rest as before
+        // (runs that start inside a block).
+        let mut gw = vec![f32::NAN; n * 8];
+        b.gather(&dst, 1, 1, 2, 5..n, &mut gw);
+        assert!(gw[..5 * 8].iter().all(|v| *v == 0.0) && gw[5 * 8..] == ga[5 * 8..]);
+        b.gather_transposed(&dst, 1, 1, 2, 5..n, stride, &mut gt);
+        for d in 0..8 {
+            assert!(gt[d * stride..d * stride + 5].iter().all(|v| *v == 0.0));
+            assert!((5..n).all(|p| gt[d * stride + p] == ga[p * 8 + d]));
+        }
         let wrong = KvBlob { layout: KvLayout { head_dim: 4, ..l }, ..blob.clone() };
         assert!(b.import(&dst, &wrong).is_err());
         let short = KvBlob { bytes: blob.bytes[1..].to_vec(), ..blob };

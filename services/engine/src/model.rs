@@ -662,21 +662,24 @@ impl Model {
             ATT_SCRATCH.with(|cell| {
                 let (keys, vals, scores) = &mut *cell.borrow_mut();
                 let stride = n_ctx.next_multiple_of(VALUE_PAD);
+                // What the chunk's first query sees: a window layer reads
+                // nothing before it (zeros stand in: they weigh nothing).
+                let seen = window.map_or(0, |w| (item.start_pos + q0 + 1).saturating_sub(w))..n_ctx;
                 // llama.cpp's tiled kernel for a sequence's steps of 64+ rows.
                 let tiled = flash && item.tokens.len() >= FA_TILE_Q;
                 if tiled {
                     keys.resize(hd * stride, 0.0);
-                    kv.gather_transposed(item.blocks, layer, 0, h, n_ctx, stride, keys);
+                    kv.gather_transposed(item.blocks, layer, 0, h, seen.clone(), stride, keys);
                 } else {
                     keys.resize(n_ctx * hd, 0.0);
-                    kv.gather(item.blocks, layer, 0, h, n_ctx, keys);
+                    kv.gather(item.blocks, layer, 0, h, seen.clone(), keys);
                 }
                 if flash {
                     vals.resize(n_ctx * hd, 0.0);
-                    kv.gather(item.blocks, layer, 1, h, n_ctx, vals);
+                    kv.gather(item.blocks, layer, 1, h, seen, vals);
                 } else {
                     vals.resize(hd * stride, 0.0);
-                    kv.gather_transposed(item.blocks, layer, 1, h, n_ctx, stride, vals);
+                    kv.gather_transposed(item.blocks, layer, 1, h, seen, stride, vals);
                 }
                 for qi in q0..q1 {
                     let r = row0 + qi;

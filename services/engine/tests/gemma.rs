@@ -103,6 +103,18 @@ fn golden_copy_is_current() {
     }
 }
 
+/// The engine stops where llama.cpp does: at any of its end-of-generation
+/// tokens, not just EOS. SmolLM2's are `<|endoftext|>` and `<|im_end|>`.
+#[test]
+fn generation_ends_at_llama_cpp_s_end_tokens() {
+    let path = pdmesh_model::CacheArgs::from_env().ensure(&pdmesh_model::GEMMA3_270M).unwrap();
+    let config = pdmesh_engine::ModelConfig::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    assert_eq!(config.eog_ids, end_ids(&gemma().tok));
+    let path = pdmesh_model::CacheArgs::from_env().ensure_model().unwrap();
+    let config = pdmesh_engine::ModelConfig::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    assert_eq!(config.eog_ids, [0, 2]);
+}
+
 #[test]
 fn tokenization_matches_llama_cpp() {
     let g = gemma();
@@ -166,4 +178,48 @@ fn greedy_tokens_match_llama_cpp() {
     let agreed: usize = report.iter().map(|r| r.1).sum();
     eprintln!("greedy agreement with llama.cpp: {agreed}/{} tokens", 16 * report.len());
     assert!(report.iter().all(|r| r.1 == 16), "greedy tokens differ from llama.cpp's (above)");
+}
+
+/// A transfer that leaves out what the sliding windows no longer see
+/// (`Shipped`): the receiver's blocks hold NaN there, and it decodes what
+/// the sender does, bit for bit: no window layer reads before its window.
+#[test]
+fn a_trimmed_transfer_decodes_as_the_whole_kv() {
+    let mut guard = gemma();
+    let g = &mut *guard;
+    let text = "The lighthouse keeper wrote in her log every evening: the wind, the swell, the ships that \
+                passed, the colour of the sky at dusk and the state of the lamp. "
+        .repeat(30);
+    let prompt = g.tok.encode_prompt(&text).unwrap();
+    assert!((1000..1500).contains(&prompt.len()), "{} prompt tokens", prompt.len());
+    let e = &mut g.engine;
+    e.set_device_sampling(false);
+    let a = e.add_sequence(prompt.clone(), greedy(8)).unwrap();
+    let first = e.prefill(&[a]).unwrap()[0].token;
+    let plan = e.shipped(a).unwrap();
+    assert!(plan.trimmed >= 30, "{plan:?}");
+    let mut blob = e.export_kv(a).unwrap();
+    let bb = blob.layout.block_bytes();
+    assert!(plan.bytes(blob.bytes.len() / bb, bb) < blob.bytes.len() / 2);
+    // Poison what is not shipped: all-ones f16 is a NaN.
+    for i in 0..plan.trimmed {
+        let block = &mut blob.bytes[i * bb..(i + 1) * bb];
+        let mut at = 0;
+        for r in plan.ranges(i, bb).into_iter().chain([bb..bb]) {
+            block[at..r.start].fill(0xff);
+            at = r.end;
+        }
+    }
+    let b = e.reserve_sequence(prompt, greedy(8)).unwrap();
+    e.import_prompt_kv(b, &blob).unwrap();
+    assert_eq!(e.transfer_checksums(b).unwrap(), e.kv_checksums(a).unwrap(), "what moved is what was sent");
+    e.attach_first_token(b, first).unwrap();
+    for id in [a, b] {
+        while e.finish_reason(id).unwrap().is_none() {
+            e.decode(&[id]).unwrap();
+        }
+    }
+    assert_eq!(e.generated(b).unwrap(), e.generated(a).unwrap());
+    e.release(a).unwrap();
+    e.release(b).unwrap();
 }

@@ -50,6 +50,8 @@ pub struct Prefilled {
     /// CRC-32C of each of `blocks`, taken as the prompt finished (the
     /// receiver checks them before its first decode step).
     pub checksums: Vec<u32>,
+    /// What of `blocks` a transfer moves (sliding windows trim the oldest).
+    pub shipped: pdmesh_engine::kv::Shipped,
 }
 
 enum Cmd {
@@ -252,6 +254,10 @@ impl pdmesh_worker::kv::send::KvSource for Pinned {
 
     fn checksums(&self) -> &[u32] {
         &self.p.checksums
+    }
+
+    fn shipped(&self) -> &pdmesh_engine::kv::Shipped {
+        &self.p.shipped
     }
 
     async fn export_kv(&self) -> Result<KvBlob, tonic::Status> {
@@ -569,7 +575,8 @@ impl Loop {
             let blocks = engine.blocks(id)?[..engine.kv.layout.blocks_for(n_tokens)].to_vec();
             let cached_tokens = engine.reused_tokens(id)?;
             let checksums = engine.kv_checksums(id)?;
-            Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens, checksums })
+            let shipped = engine.shipped(id)?;
+            Ok(Prefilled { first_token: ev.token, seq: id, blocks, n_tokens, cached_tokens, checksums, shipped })
         });
         match r {
             Ok(p) => {

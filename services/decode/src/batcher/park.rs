@@ -37,6 +37,8 @@ pub(super) struct Parked {
 pub struct Parcel {
     pub blocks: Vec<u32>,
     pub checksums: Vec<u32>,
+    /// What of `blocks` a transfer moves (sliding windows trim the oldest).
+    pub shipped: pdmesh_engine::kv::Shipped,
     pub last_token: u32,
     /// Positions with KV: the prompt and every generated token but the last.
     pub kv_tokens: u32,
@@ -73,6 +75,10 @@ impl pdmesh_worker::kv::send::KvSource for ParkedSource {
 
     fn checksums(&self) -> &[u32] {
         &self.parcel.checksums
+    }
+
+    fn shipped(&self) -> &pdmesh_engine::kv::Shipped {
+        &self.parcel.shipped
     }
 
     async fn export_kv(&self) -> Result<KvBlob, Status> {
@@ -135,7 +141,8 @@ impl Loop {
         let kv_tokens = (self.engine.prompt_len(seq)? + generated.len() - 1) as u32;
         let n = self.engine.kv.layout.blocks_for(kv_tokens as usize);
         let blocks = self.engine.blocks(seq)?[..n].to_vec();
-        Ok(Parcel { blocks, checksums: self.engine.kv_checksums(seq)?, last_token, kv_tokens })
+        let (checksums, shipped) = (self.engine.kv_checksums(seq)?, self.engine.shipped(seq)?);
+        Ok(Parcel { blocks, checksums, shipped, last_token, kv_tokens })
     }
 
     pub(super) fn export_parked(&mut self, seq: SeqId, reply: oneshot::Sender<Result<KvBlob, EngineError>>) {

@@ -177,52 +177,42 @@ impl Nixl {
         Ok(Held { nixl: self, worker: worker.into(), name: r.name.clone(), failed: false })
     }
 
-    /// WRITE `src` blocks of the local arena into `dst` blocks of the
-    /// `remote` arena; blocks are `block_bytes` long. Either arena may be
-    /// host memory or VRAM (UCX picks cuda_copy or cuda_ipc for the latter).
+    /// WRITE `pieces` (local arena offset, `remote` arena offset, length)
+    /// of the local arena into the `remote` one. Either arena may be host
+    /// memory or VRAM (UCX picks cuda_copy or cuda_ipc for the latter).
     /// Blocking: polls until done or `timeout`. Returns the bytes moved.
-    #[allow(clippy::too_many_arguments)]
     pub fn write(
         &self,
         worker: &str,
         md: &[u8],
         remote: TransferArena,
-        src: &[u32],
-        dst: &[u32],
-        block_bytes: usize,
+        pieces: &[(usize, usize, usize)],
         note: &str,
         timeout: Duration,
     ) -> Result<u64, String> {
-        if src.len() != dst.len() {
-            return Err(format!("{} source blocks for {} destination blocks", src.len(), dst.len()));
-        }
         let mut held = self.hold(worker, md)?;
-        let r = self.post_and_wait(&held.name, src, dst, remote, block_bytes, note, timeout);
+        let r = self.post_and_wait(&held.name, pieces, remote, note, timeout);
         held.failed = r.is_err();
         r
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn post_and_wait(
         &self,
         peer: &str,
-        src: &[u32],
-        dst: &[u32],
+        pieces: &[(usize, usize, usize)],
         remote: TransferArena,
-        block_bytes: usize,
         note: &str,
         timeout: Duration,
     ) -> Result<u64, String> {
         let here = self.arena;
         let mut local = XferDescList::new(mem_type(&here)).map_err(|e| e.to_string())?;
         let mut far = XferDescList::new(mem_type(&remote)).map_err(|e| e.to_string())?;
-        for (s, d) in src.iter().zip(dst) {
-            let (so, doff) = (*s as usize * block_bytes, *d as usize * block_bytes);
-            if so + block_bytes > here.len || doff + block_bytes > remote.len {
-                return Err(format!("block {s} -> {d} is outside an arena"));
+        for &(so, doff, len) in pieces {
+            if so + len > here.len || doff + len > remote.len {
+                return Err(format!("bytes {so}+{len} -> {doff}+{len} lie outside an arena"));
             }
-            local.add_desc(here.addr + so, block_bytes, here.gpu.unwrap_or(0));
-            far.add_desc(remote.addr + doff, block_bytes, remote.gpu.unwrap_or(0));
+            local.add_desc(here.addr + so, len, here.gpu.unwrap_or(0));
+            far.add_desc(remote.addr + doff, len, remote.gpu.unwrap_or(0));
         }
         let mut opt = OptArgs::new().map_err(|e| e.to_string())?;
         opt.set_notification_message(note.as_bytes()).map_err(|e| e.to_string())?;
@@ -243,7 +233,7 @@ impl Nixl {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
-        Ok((src.len() * block_bytes) as u64)
+        Ok(pieces.iter().map(|p| p.2 as u64).sum())
     }
 
     /// Drive this agent's backend progress and drain its notifications (the

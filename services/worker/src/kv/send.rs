@@ -21,8 +21,12 @@ use super::{layout_to_wire, Nixl};
 pub trait KvSource: Sync {
     /// The source blocks in this worker's arena, in prompt order.
     fn blocks(&self) -> &[u32];
-    /// CRC-32C of each of [`KvSource::blocks`], taken when the KV was made.
+    /// CRC-32C of what moves of each of [`KvSource::blocks`], taken when
+    /// the KV was made.
     fn checksums(&self) -> &[u32];
+    /// What of each block moves (NIXL writes only that; TCP copies whole
+    /// blocks, and the receiver checks what it reads).
+    fn shipped(&self) -> &pdmesh_engine::kv::Shipped;
     /// A copy of the prompt's KV (for transports that copy).
     async fn export_kv(&self) -> Result<KvBlob, Status>;
     /// Fault injection: flip one byte of the last block in place; a
@@ -104,7 +108,18 @@ impl KvTransport for NixlTransport {
         }
         let nixl = self.nixl.clone();
         let source = src;
-        let (src, dst) = (src.blocks().to_vec(), ticket.dest_blocks[..n].to_vec());
+        let plan = src.shipped();
+        // (source offset, destination offset, length) of each piece.
+        let pieces: Vec<(usize, usize, usize)> = src
+            .blocks()
+            .iter()
+            .zip(&ticket.dest_blocks[..n])
+            .enumerate()
+            .flat_map(|(i, (s, d))| {
+                let (so, doff) = (*s as usize * block_bytes, *d as usize * block_bytes);
+                plan.ranges(i, block_bytes).into_iter().map(move |r| (so + r.start, doff + r.start, r.len()))
+            })
+            .collect();
         let (worker, md, remote) = (ticket.dest_worker.clone(), agent.nixl_metadata.clone(), remote_arena(agent));
         let now = pdmesh_core::now_ms();
         let timeout = Duration::from_millis(ticket.lease_deadline_unix_ms.saturating_sub(now).clamp(100, MAX_WRITE_MS));
@@ -112,10 +127,7 @@ impl KvTransport for NixlTransport {
         if corrupt {
             source.flip_byte().await?;
         }
-        let r = tokio::task::spawn_blocking(move || {
-            nixl.write(&worker, &md, remote, &src, &dst, block_bytes, &note, timeout)
-        })
-        .await;
+        let r = tokio::task::spawn_blocking(move || nixl.write(&worker, &md, remote, &pieces, &note, timeout)).await;
         if corrupt {
             source.flip_byte().await?;
         }
