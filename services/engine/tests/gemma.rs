@@ -205,7 +205,7 @@ fn a_trimmed_transfer_decodes_as_the_whole_kv() {
     for i in 0..plan.trimmed {
         let block = &mut blob.bytes[i * bb..(i + 1) * bb];
         let mut at = 0;
-        for r in plan.ranges(i, bb).into_iter().chain([bb..bb]) {
+        for r in plan.ranges(i, bb).into_iter().chain(std::iter::once(bb..bb)) {
             block[at..r.start].fill(0xff);
             at = r.end;
         }
