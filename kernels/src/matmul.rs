@@ -115,15 +115,20 @@ impl QActs {
         self.has[kind as usize]
     }
 
-    /// Mark the rows of sequences `lens` (consecutive, in order) that
-    /// llama.cpp's 4-row Q4_K GEMM would take: in each, the first
-    /// `len - len % 4`.
-    pub fn group_rows(&mut self, lens: impl IntoIterator<Item = usize>) {
+    /// Mark the rows that llama.cpp's 4-row Q4_K GEMM and tiled Q6_K GEMM
+    /// would take. `items` are the sequences' rows (consecutive, in order):
+    /// (rows, offset of the first in its step, the step's rows). llama.cpp
+    /// takes the first `len - len % 4` rows of a step's sequence through the
+    /// GEMM, and all of them through the tiled Q6_K GEMM when it has 8 or
+    /// more; a step is what llama.cpp would run the rows in (see the engine's
+    /// `BatchItem::shape`), so rows computed apart from the rest of their
+    /// step keep its arithmetic.
+    pub fn group_rows(&mut self, items: impl IntoIterator<Item = (usize, usize, usize)>) {
         self.gemm4.clear();
         self.tiled8.clear();
-        for len in lens {
-            self.gemm4.extend((0..len).map(|i| i < len - len % 4));
-            self.tiled8.extend((0..len).map(|_| len >= 8));
+        for (rows, offset, len) in items {
+            self.gemm4.extend((offset..offset + rows).map(|i| i < len - len % 4));
+            self.tiled8.extend((0..rows).map(|_| len >= 8));
         }
         self.gemm4.resize(self.rows, false);
         self.tiled8.resize(self.rows, false);

@@ -577,14 +577,30 @@ impl Engine {
             }
             let (n, order) = s.next_run(cold_chunk.max(1));
             let n = n.min(*most);
-            plan.push((*id, s.n_cached, n, n == pending, order));
+            // The first rows computed after a prefix reuse form one step
+            // with the reused ones, as in a cold prefill of the prompt.
+            let first = if s.n_cached == s.n_reused && s.n_reused > 0 {
+                s.n_cached / cold_chunk.max(1) * cold_chunk.max(1)
+            } else {
+                s.n_cached
+            };
+            plan.push((*id, s.n_cached, n, n == pending, order, first));
         }
         let items: Vec<BatchItem<'_>> = plan
             .iter()
-            .map(|(id, start, n, last, order)| {
+            .map(|(id, start, n, last, order, first)| {
                 let s = &self.seqs[id];
                 let tokens = &s.tokens[*start..start + n];
-                BatchItem { tokens, start_pos: *start, blocks: &s.blocks, logits: *last, order: *order }
+                let (step_first, step_rows) = (*first, start + n - first);
+                BatchItem {
+                    tokens,
+                    start_pos: *start,
+                    blocks: &s.blocks,
+                    logits: *last,
+                    order: *order,
+                    step_first,
+                    step_rows,
+                }
             })
             .collect();
         let mut next = match &mut self.cuda {
@@ -603,7 +619,7 @@ impl Engine {
         }
         .into_iter();
         let mut out = Vec::new();
-        for (id, _, n, last, _) in plan {
+        for (id, _, n, last, _, _) in plan {
             let s = self.seqs.get_mut(&id).expect("planned sequence exists");
             s.n_cached += n;
             s.store_blocks(&mut self.kv, cold_chunk.max(1), self.options.cache_generated);

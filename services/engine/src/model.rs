@@ -216,6 +216,13 @@ pub struct BatchItem<'a> {
     /// Summation order of this item's attention (llama.cpp's choice for
     /// the step that would have run these positions; see [`SumOrder`]).
     pub order: SumOrder,
+    /// The step llama.cpp would run these rows in (they lie in it): its
+    /// first position and its rows. Its batch-shape choices (Q4_K and Q6_K
+    /// GEMM orders, tiled flash attention) follow that step, so a prompt
+    /// whose head came from the prefix cache computes its rest as a cold
+    /// prompt would.
+    pub step_first: usize,
+    pub step_rows: usize,
 }
 
 /// Reusable activation buffers for one engine.
@@ -474,7 +481,7 @@ impl Model {
         let n: usize = ms.iter().map(|m| m.rows).sum();
         let (qa, batch) = (&mut st.s.qa, st.batch);
         st.kn.run("quantize_q8", li, cols, cols, || quantize_acts(be, pool, x, n_tok, cols, &acts_for(&refs), qa));
-        qa.group_rows(batch.iter().map(|b| b.tokens.len()));
+        qa.group_rows(batch.iter().map(|b| (b.tokens.len(), b.start_pos - b.step_first, b.step_rows)));
         st.kn.run(name, li, n, cols, || matmul_many(be, pool, refs, qa, outs));
     }
 
@@ -666,7 +673,7 @@ impl Model {
                 // nothing before it (zeros stand in: they weigh nothing).
                 let seen = window.map_or(0, |w| (item.start_pos + q0 + 1).saturating_sub(w))..n_ctx;
                 // llama.cpp's tiled kernel for a sequence's steps of 64+ rows.
-                let tiled = flash && item.tokens.len() >= FA_TILE_Q;
+                let tiled = flash && item.step_rows >= FA_TILE_Q;
                 if tiled {
                     keys.resize(hd * stride, 0.0);
                     kv.gather_transposed(item.blocks, layer, 0, h, seen.clone(), stride, keys);

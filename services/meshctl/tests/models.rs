@@ -3,7 +3,8 @@
 //! decode, router) behind one gateway. Each model answers greedily as its
 //! engine alone does, with its KV moved over NIXL and its prefix cache
 //! hit; the same prompt never hits across models; a third name is a 404 in
-//! OpenAI's shape; each pool scales alone.
+//! OpenAI's shape; each pool scales alone; traces and Prometheus targets
+//! carry the model's name.
 // Tests unwrap: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 #![allow(clippy::too_many_lines)]
@@ -12,7 +13,11 @@ mod common;
 
 use std::process::Command;
 
+use std::time::Duration;
+
 use common::Mesh;
+use pdmesh_meshctl::sink::Sink;
+use pdmesh_meshctl::trace::Span;
 use serde_json::Value;
 
 const SMOL: &str = "smollm2-135m-instruct";
@@ -54,7 +59,41 @@ async fn two_models_behind_one_gateway() {
     let dir = std::env::temp_dir().join(format!("pdmesh-models-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let sd = dir.join("targets.json");
-    let mesh = Mesh::up(&["--model", "smollm2", "--model", "gemma3-270m", "--prometheus-sd", sd.to_str().unwrap()]);
+    let sink = Sink::start("127.0.0.1:0".parse().unwrap(), None).await.unwrap();
+    let ep = sink.endpoint();
+    let mesh = Mesh::up(&[
+        "--model",
+        "smollm2",
+        "--model",
+        "gemma3-270m",
+        "--prometheus-sd",
+        sd.to_str().unwrap(),
+        "--otlp-endpoint",
+        &ep,
+        "--trace-export-delay-ms",
+        "100",
+    ]);
+
+    // Each request's trace names its model: the gateway's span the one
+    // asked for, every span of a pool's services that pool.
+    for model in [SMOL, GEMMA] {
+        let body = serde_json::json!({ "model": model, "prompt": "Hello", "max_tokens": 2 }).to_string();
+        let (st, tid, text) = common::post_header(&mesh.gateway, "/v1/completions", &body, &[], "x-pdmesh-trace-id");
+        assert_eq!(st, 200, "{text}");
+        let spans = sink
+            .wait_trace(&tid.unwrap(), Duration::from_secs(20), |sp| {
+                sp.iter().any(|s| s.service == "pdmesh-decode") && sp.iter().any(|s| s.service == "pdmesh-gateway")
+            })
+            .await;
+        let model_of = |s: &Span| s.attrs.get("pdmesh.model").and_then(|v| v.as_str()).map(str::to_string);
+        let pooled: Vec<&Span> = spans.iter().filter(|s| s.service != "pdmesh-gateway").collect();
+        assert!(pooled.len() > 3, "{model}: spans of the pool's services");
+        for s in pooled {
+            assert_eq!(model_of(s).as_deref(), Some(model), "{model}: {} of {}", s.name, s.service);
+        }
+        let root = spans.iter().find(|s| s.service == "pdmesh-gateway" && s.parent_id.is_empty()).unwrap();
+        assert_eq!(model_of(root).as_deref(), Some(model), "the gateway's request span");
+    }
 
     // Every model is listed.
     let (st, body) = pdmesh_testkit::http_get(&mesh.gateway, "/v1/models");
@@ -76,7 +115,8 @@ async fn two_models_behind_one_gateway() {
     // went through its prefill worker and its KV over NIXL.
     for (model, name) in [(SMOL, "smollm2"), (GEMMA, "gemma3-270m")] {
         let (text, n, cached) = complete(&mesh, model, PROMPT, 16);
-        assert_eq!(cached, 0, "{model}: a cold prompt");
+        // Cold, but for the BOS every Gemma prompt starts with.
+        assert_eq!(cached, u64::from(model == GEMMA), "{model}: a cold prompt");
         assert!(n > 32, "{model}: the prompt spans blocks ({n} tokens)");
         assert_eq!(text, engine_alone(name, PROMPT, 16), "{model}: the mesh's answer against its engine alone");
         let moved =
