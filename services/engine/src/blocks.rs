@@ -203,7 +203,7 @@ impl Blocks {
     /// leading full blocks, then the cached block sharing the longest head
     /// with the rest. Every hit is checked against the stored parent and
     /// token ids. Everything returned is held for the caller.
-    pub fn lookup(&mut self, hashes: &[BlockHash], tokens: &[u32], limit: usize) -> Reuse {
+    pub fn lookup(&mut self, hashes: &[BlockHash], tokens: &[u32], limit: usize, at_least: usize) -> Reuse {
         let Some(p) = self.prefix.as_mut() else { return Reuse::default() };
         let bs = p.block_size;
         let limit = limit.min(tokens.len());
@@ -219,6 +219,9 @@ impl Blocks {
         reuse.partial = p.best_head(parent, &tokens[start..limit.min(start + bs)]);
         p.counters.lookups += 1;
         let hit = start + reuse.partial.map_or(0, |(_, n)| n);
+        if hit < at_least {
+            return Reuse::default();
+        }
         if hit > 0 {
             p.counters.hits += 1;
             p.counters.hit_tokens += hit as u64;
@@ -338,7 +341,7 @@ mod tests {
 
     /// The whole cached blocks for `tokens` (a partial match is let go).
     fn full(b: &mut Blocks, hashes: &[BlockHash], tokens: &[u32]) -> Vec<u32> {
-        let r = b.lookup(hashes, tokens, tokens.len());
+        let r = b.lookup(hashes, tokens, tokens.len(), 1);
         if let Some((src, _)) = r.partial {
             b.release(&[src]);
         }
@@ -449,7 +452,7 @@ mod tests {
         b.release(&x);
         // The same prompt again, all but its last token reusable.
         let prompt = [1, 2, 3, 4, 5, 6];
-        let r = b.lookup(&chain(42, 4, &prompt, 9), &prompt, 5);
+        let r = b.lookup(&chain(42, 4, &prompt, 9), &prompt, 5, 1);
         assert_eq!(r, Reuse { blocks: vec![x[0]], partial: Some((x[1], 1)) });
         assert_eq!(b.counters().hit_tokens, 5);
         assert_eq!(b.evictable(), 0, "both are held until copied");
@@ -457,7 +460,10 @@ mod tests {
         b.release(&r.blocks);
         // Diverging inside a full block: its head is matched too.
         let other = [1, 2, 9, 9, 9];
-        let r = b.lookup(&chain(42, 4, &other, 9), &other, 4);
+        // A model whose arithmetic follows its steps asks for a whole block
+        // at least: less is no hit, and nothing is held.
+        assert_eq!(b.lookup(&chain(42, 4, &other, 9), &other, 4, 4), Reuse::default());
+        let r = b.lookup(&chain(42, 4, &other, 9), &other, 4, 1);
         assert_eq!(r, Reuse { blocks: vec![], partial: Some((x[0], 2)) });
         b.release(&[x[0]]);
         states_add_up(&b);
@@ -465,7 +471,7 @@ mod tests {
         let all = b.allocate(8).unwrap();
         assert_eq!(b.take_events(), vec![Event::Removed(h)]);
         b.release(&all);
-        assert_eq!(b.lookup(&chain(42, 4, &prompt, 9), &prompt, 5), Reuse::default());
+        assert_eq!(b.lookup(&chain(42, 4, &prompt, 9), &prompt, 5, 1), Reuse::default());
     }
 
     #[test]
@@ -474,7 +480,7 @@ mod tests {
         let a = b.allocate(2).unwrap();
         b.store(a[0], 1, 42, &[1, 2]);
         assert_eq!(b.cached(), 0);
-        assert_eq!(b.lookup(&[1], &[1, 2], 2), Reuse::default());
+        assert_eq!(b.lookup(&[1], &[1, 2], 2, 1), Reuse::default());
         b.release(&a);
         assert_eq!(b.available(), 3);
         states_add_up(&b);

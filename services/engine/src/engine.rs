@@ -482,7 +482,11 @@ impl Engine {
     fn reuse(&mut self, prompt: &[u32]) -> (Vec<BlockHash>, Reuse) {
         let Some((seed, bs)) = self.kv.blocks.hashing() else { return (Vec::new(), Reuse::default()) };
         let hashes = pdmesh_prefix::chain(seed, bs, prompt, usize::MAX);
-        let found = self.kv.blocks.lookup(&hashes, prompt, prompt.len() - 1);
+        // Where a position's arithmetic follows its step's shape, KV cached
+        // from a step of another shape differs in its last bits: a whole
+        // block at least must come back (not just the BOS all prompts share).
+        let at_least = if self.model.step_shaped() { bs } else { 1 };
+        let found = self.kv.blocks.lookup(&hashes, prompt, prompt.len() - 1, at_least);
         (hashes, found)
     }
 

@@ -169,6 +169,15 @@ pub struct Model {
     dump_dir: Option<std::path::PathBuf>,
 }
 
+impl Model {
+    /// Whether a position's arithmetic depends on the shape of the step
+    /// that computes it (llama.cpp's flash attention kernels, chosen by the
+    /// step's rows), beyond the summation order every model has.
+    pub fn step_shaped(&self) -> bool {
+        self.arch.flash_attention
+    }
+}
+
 /// `f(x rows, out rows)` over whole rows of `x` (rows of `in_w` values,
 /// out rows of `out_w`) split between the pool's threads: for
 /// row-independent element-wise work (norms, activations), the same
