@@ -68,7 +68,11 @@ async fn drain_8_sequences(ships_kv: bool) {
         assert!(t0.elapsed() < Duration::from_secs(5), "{} still listed while draining", victim.id);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // New requests go to the other decode meanwhile.
+    // New requests go to the other decode meanwhile, once the router's
+    // watch has caught up (a poll of 0.3 s, twice, and margin; within the
+    // 1 s notice the draining decode still takes what it is sent, and a
+    // request it takes is handed over too: CI once counted 9 moves).
+    tokio::time::sleep(Duration::from_millis(700)).await;
     let mut r = router.clone();
     let extra =
         run(&mut r, chat_request("A new request during the drain", 8, true)).await.expect("served by the other decode");
