@@ -209,59 +209,148 @@ fn tiled(
 ) {
     let hd = head_dim;
     assert!(visible.start < visible.end && visible.end <= stride, "attention over an empty window");
-    assert!(keys_t.len() >= hd * stride && values.len() >= visible.end * hd && hd <= 256);
-    let mut acc = [0f32; 256];
-    let mut scores = [0f32; FA_TILE_KV];
-    for (qh, oh) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
-        let acc = &mut acc[..hd];
-        acc.fill(0.0);
-        let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
-        for t0 in (0..visible.end).step_by(FA_TILE_KV) {
-            let t1 = (t0 + FA_TILE_KV).min(visible.end);
-            if t1 <= visible.start {
-                continue;
-            }
-            tile_scores(qh, keys_t, stride, t0, t1, &mut scores);
-            for (i, s) in scores.iter_mut().enumerate() {
-                let pos = t0 + i;
-                *s = if pos >= visible.start && pos < t1 { *s * scale } else { f32::NEG_INFINITY };
-            }
-            let tile_max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            if tile_max == f32::NEG_INFINITY {
-                continue;
-            }
-            let m_new = m.max(tile_max);
-            if m_new > m {
-                let ms = (m - m_new).exp();
-                acc.iter_mut().for_each(|a| *a *= ms);
-                sum *= ms;
-            }
-            m = m_new;
-            let mut tile_sum = 0f64;
-            scores.iter_mut().for_each(|s| *s = ggml_ref::expf_x16(*s - m_new));
-            for g in scores.chunks_exact(16) {
-                tile_sum += ggml_ref::reduce16(g) as f64;
-            }
-            sum = (sum as f64 + tile_sum) as f32;
-            for (i, p) in scores[..t1 - t0].iter().enumerate() {
-                let v = &values[(t0 + i) * hd..(t0 + i + 1) * hd];
-                acc.iter_mut().zip(v).for_each(|(a, x)| *a = x.mul_add(*p, *a));
-            }
-        }
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-        oh.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = a * inv);
+    assert!(keys_t.len() >= hd * stride && values.len() >= visible.end * hd && hd <= 256 && hd % LANES == 0);
+    assert!(stride.is_multiple_of(LANES) && q.len() == out.len() && q.len().is_multiple_of(hd));
+    let t = Tiles { keys_t, stride, values, hd, visible, scale };
+    // The heads of a group read the same keys and values: several at a
+    // time share each load (each output's arithmetic is unchanged).
+    let mut h0 = 0;
+    let heads = q.len() / hd;
+    while h0 < heads {
+        let (qs, os) = (&q[h0 * hd..], &mut out[h0 * hd..]);
+        h0 += match heads - h0 {
+            n if n >= 4 => t.heads::<4>(qs, os),
+            n if n >= 2 => t.heads::<2>(qs, os),
+            _ => t.heads::<1>(qs, os),
+        };
     }
 }
 
-/// Scores of positions `t0..t1` (the rest of the tile left as is): for
-/// each, one FMA chain over the dimensions in order, from 0.
-#[inline(always)]
-fn tile_scores(q: &[f32], keys_t: &[f32], stride: usize, t0: usize, t1: usize, out: &mut [f32; FA_TILE_KV]) {
-    let n = t1 - t0;
-    out[..n].fill(0.0);
-    for (d, qd) in q.iter().enumerate() {
-        let row = &keys_t[d * stride + t0..d * stride + t1];
-        out[..n].iter_mut().zip(row).for_each(|(o, k)| *o = k.mul_add(*qd, *o));
+/// Positions per score register and values per accumulator register of
+/// [`tiled`] (16 f32: two AVX2 registers).
+const LANES: usize = 16;
+
+/// What every head of one query row reads in [`tiled`].
+struct Tiles<'a> {
+    keys_t: &'a [f32],
+    stride: usize,
+    values: &'a [f32],
+    hd: usize,
+    visible: std::ops::Range<usize>,
+    scale: f32,
+}
+
+impl Tiles<'_> {
+    /// Attention of `H` heads (`q[..H * hd]` into `out[..H * hd]`); returns `H`.
+    #[inline(always)]
+    fn heads<const H: usize>(&self, q: &[f32], out: &mut [f32]) -> usize {
+        let hd = self.hd;
+        let mut acc = [[0f32; 256]; H];
+        let mut scores = [[0f32; FA_TILE_KV]; H];
+        let (mut m, mut sum) = ([f32::NEG_INFINITY; H], [0f32; H]);
+        for t0 in (0..self.visible.end).step_by(FA_TILE_KV) {
+            let t1 = (t0 + FA_TILE_KV).min(self.visible.end);
+            if t1 <= self.visible.start {
+                continue;
+            }
+            self.scores::<H>(q, t0, t1, &mut scores);
+            let mut live = [true; H];
+            let mut rescale = [None; H];
+            for h in 0..H {
+                let scores = &mut scores[h];
+                for (i, s) in scores.iter_mut().enumerate() {
+                    let pos = t0 + i;
+                    *s = if pos >= self.visible.start && pos < t1 { *s * self.scale } else { f32::NEG_INFINITY };
+                }
+                let tile_max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                if tile_max == f32::NEG_INFINITY {
+                    live[h] = false;
+                    continue;
+                }
+                let m_new = m[h].max(tile_max);
+                if m_new > m[h] {
+                    let ms = (m[h] - m_new).exp();
+                    rescale[h] = Some(ms);
+                    sum[h] *= ms;
+                }
+                m[h] = m_new;
+                let mut tile_sum = 0f64;
+                scores.iter_mut().for_each(|s| *s = ggml_ref::expf_x16(*s - m_new));
+                for g in scores.chunks_exact(16) {
+                    tile_sum += ggml_ref::reduce16(g) as f64;
+                }
+                sum[h] = (sum[h] as f64 + tile_sum) as f32;
+            }
+            if live.iter().all(|l| *l) {
+                self.accumulate::<H>(&mut acc, &scores, &rescale, t0, t1);
+            } else {
+                for h in (0..H).filter(|h| live[*h]) {
+                    let (a, p) = (std::array::from_mut(&mut acc[h]), std::array::from_ref(&scores[h]));
+                    self.accumulate::<1>(a, p, &[rescale[h]], t0, t1);
+                }
+            }
+        }
+        for h in 0..H {
+            let inv = if sum[h] == 0.0 { 0.0 } else { 1.0 / sum[h] };
+            out[h * hd..(h + 1) * hd].iter_mut().zip(&acc[h]).for_each(|(o, a)| *o = a * inv);
+        }
+        H
+    }
+
+    /// Scores of positions `t0..t1` for `H` heads (the rest of each tile
+    /// left as is, up to a multiple of [`LANES`]): for each, one FMA chain
+    /// over the dimensions in order, from 0; [`LANES`] positions of every
+    /// head at a time, each key load shared by the heads.
+    #[inline(always)]
+    fn scores<const H: usize>(&self, q: &[f32], t0: usize, t1: usize, out: &mut [[f32; FA_TILE_KV]; H]) {
+        for j0 in (0..t1 - t0).step_by(LANES) {
+            let mut o = [[0f32; LANES]; H];
+            for d in 0..self.hd {
+                // In bounds: t0 + j0 < stride, both multiples of LANES.
+                let row: &[f32; LANES] = self.keys_t[d * self.stride + t0 + j0..][..LANES].try_into().expect("lanes");
+                for h in 0..H {
+                    let qd = q[h * self.hd + d];
+                    o[h].iter_mut().zip(row).for_each(|(o, k)| *o = k.mul_add(qd, *o));
+                }
+            }
+            for h in 0..H {
+                out[h][j0..j0 + LANES].copy_from_slice(&o[h]);
+            }
+        }
+    }
+
+    /// `acc[h] = acc[h] * rescale[h]`, then for each position of `t0..t1`
+    /// in order `acc[h] += values[pos] * p[h][pos - t0]`: each value
+    /// dimension one FMA chain over the positions, [`LANES`] dimensions of
+    /// every head kept in registers over the whole tile.
+    #[inline(always)]
+    fn accumulate<const H: usize>(
+        &self,
+        acc: &mut [[f32; 256]; H],
+        p: &[[f32; FA_TILE_KV]; H],
+        rescale: &[Option<f32>; H],
+        t0: usize,
+        t1: usize,
+    ) {
+        let hd = self.hd;
+        for c in (0..hd).step_by(LANES) {
+            let mut a: [[f32; LANES]; H] = std::array::from_fn(|h| acc[h][c..c + LANES].try_into().expect("lanes"));
+            for h in 0..H {
+                if let Some(ms) = rescale[h] {
+                    a[h].iter_mut().for_each(|x| *x *= ms);
+                }
+            }
+            for i in 0..t1 - t0 {
+                let v: &[f32; LANES] = self.values[(t0 + i) * hd + c..][..LANES].try_into().expect("lanes");
+                for h in 0..H {
+                    let ph = p[h][i];
+                    a[h].iter_mut().zip(v).for_each(|(a, x)| *a = x.mul_add(ph, *a));
+                }
+            }
+            for h in 0..H {
+                acc[h][c..c + LANES].copy_from_slice(&a[h]);
+            }
+        }
     }
 }
 
@@ -559,6 +648,31 @@ mod tests {
                     o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                     one.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
                 );
+            }
+        }
+    }
+
+    /// The tiled kernel takes a group's heads several at a time: each head's
+    /// output has the bits it has alone, on every backend.
+    #[test]
+    fn tiled_heads_together_give_each_head_s_bits() {
+        let mut rng = Rng::new(29);
+        let (hd, n, heads) = (64usize, 200usize, 7usize);
+        let q = rng.normal_vec(heads * hd);
+        let stride = n.next_multiple_of(VALUE_PAD);
+        let keys_t = rng.normal_vec(hd * stride);
+        let values = rng.normal_vec(n * hd);
+        for be in [Backend::Scalar, Backend::Avx2, Backend::Avx512].into_iter().filter(|b| b.runs_here()) {
+            for window in [0..n, 70..n, 130..131] {
+                let mut all = vec![f32::NAN; heads * hd];
+                attend_flash_tiled(be, &q, &keys_t, stride, &values, hd, window.clone(), 0.125, &mut all);
+                for h in 0..heads {
+                    let mut one = vec![f32::NAN; hd];
+                    let qh = &q[h * hd..(h + 1) * hd];
+                    attend_flash_tiled(be, qh, &keys_t, stride, &values, hd, window.clone(), 0.125, &mut one);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&all[h * hd..(h + 1) * hd]), bits(&one), "{be:?} {window:?} head {h}");
+                }
             }
         }
     }
