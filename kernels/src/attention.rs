@@ -209,7 +209,7 @@ fn tiled(
 ) {
     let hd = head_dim;
     assert!(visible.start < visible.end && visible.end <= stride, "attention over an empty window");
-    assert!(keys_t.len() >= hd * stride && values.len() >= visible.end * hd && hd <= 256 && hd % LANES == 0);
+    assert!(keys_t.len() >= hd * stride && values.len() >= visible.end * hd && hd <= 256 && hd.is_multiple_of(LANES));
     assert!(stride.is_multiple_of(LANES) && q.len() == out.len() && q.len().is_multiple_of(hd));
     let t = Tiles { keys_t, stride, values, hd, visible, scale };
     // The heads of a group read the same keys and values: several at a
@@ -340,8 +340,8 @@ impl Tiles<'_> {
                     a[h].iter_mut().for_each(|x| *x *= ms);
                 }
             }
-            for i in 0..t1 - t0 {
-                let v: &[f32; LANES] = self.values[(t0 + i) * hd + c..][..LANES].try_into().expect("lanes");
+            for (i, pos) in (t0..t1).enumerate() {
+                let v: &[f32; LANES] = self.values[pos * hd + c..][..LANES].try_into().expect("lanes");
                 for h in 0..H {
                     let ph = p[h][i];
                     a[h].iter_mut().zip(v).for_each(|(a, x)| *a = x.mul_add(ph, *a));
