@@ -1,6 +1,8 @@
 //! Times one quantized matmul shape per weight type on random blocks, the
 //! products of a Gemma 3 270M prefill (512 activation rows) by default:
-//! `cargo run --release -p pdmesh-kernels --example matmul_bench -- [ROWS] [THREADS] [REPEATS]`.
+//! `cargo run --release -p pdmesh-kernels --example matmul_bench -- [ROWS] [THREADS] [REPEATS] [SEQ]`
+//! (SEQ: activation rows per sequence, as the engine groups them; 1 is
+//! batched decode, ROWS (the default) one prompt).
 //! Prints one JSON line per type: milliseconds per product (best of the repeats).
 use pdmesh_kernels::formats::TensorType;
 use pdmesh_kernels::matmul::{acts_for, matmul, quantize_acts, QActs, QData, QMatrix};
@@ -26,6 +28,7 @@ fn main() {
     let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("a number")).collect();
     let (acts, threads, repeats) =
         (*args.first().unwrap_or(&512), *args.get(1).unwrap_or(&2), *args.get(2).unwrap_or(&5));
+    let seq = *args.get(3).unwrap_or(&acts);
     let be = Backend::detect();
     let pool = Pool::new(threads);
     let mut rng = Rng::new(7);
@@ -48,6 +51,7 @@ fn main() {
         let x: Vec<f32> = (0..acts * cols).map(|_| rng.normal()).collect();
         let mut q = QActs::default();
         quantize_acts(be, &pool, &x, acts, cols, &acts_for(&[&w]), &mut q);
+        q.group_rows((0..acts).step_by(seq).map(|r0| ((acts - r0).min(seq), 0, (acts - r0).min(seq))));
         let mut out = vec![0f32; acts * rows];
         let mut best = f64::INFINITY;
         for _ in 0..repeats {

@@ -250,6 +250,10 @@ pub mod avx2 {
     /// The CPU must support AVX2, FMA and F16C; every `xs[n]` at least as long as `w`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_k<const PAIRS: bool, const N: usize>(w: &[BlockQ4K], xs: [&[BlockQ8K]; N]) -> [f32; N] {
+        if N == 4 {
+            let v = dot_q4_k_x4::<PAIRS>(w, std::array::from_fn(|n| xs[n]));
+            return std::array::from_fn(|n| v[n]);
+        }
         let m4 = _mm256_set1_epi8(0xF);
         let mut acc = [0f32; N];
         let mut accm = [0f32; N];
@@ -305,6 +309,82 @@ pub mod avx2 {
             }
         }
         std::array::from_fn(|n| acc[n] - accm[n])
+    }
+
+    /// [`dot_q4_k`] against four Q8_K rows with the float work of the four
+    /// done at once: each lane of a 128-bit register is one column's FMA
+    /// chain, with the same operands in the same order as there (the
+    /// integer sums are exact whichever way they are added up).
+    ///
+    /// # Safety
+    /// As [`dot_q4_k`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q4_k_x4<const PAIRS: bool>(w: &[BlockQ4K], xs: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        let m4 = _mm256_set1_epi8(0xF);
+        let (mut acc, mut accm) = (_mm_setzero_ps(), _mm_setzero_ps());
+        let shuffle: [__m256i; 8] =
+            std::array::from_fn(|j| _mm256_set1_epi16((2 * j as i16) | ((2 * j as i16 + 1) << 8)));
+        for (i, b) in w.iter().enumerate() {
+            let ys: [&BlockQ8K; 4] = std::array::from_fn(|n| xs[n].get_unchecked(i));
+            let ms = _mm256_cvtepu8_epi16(q4k_scales_mins(&b.scales));
+            let mins = _mm256_extracti128_si256(ms, 1);
+            let sc128 = _mm256_castsi256_si128(ms);
+            let scales = _mm256_set_m128i(sc128, sc128);
+            let yd = _mm_setr_ps(ys[0].d, ys[1].d, ys[2].d, ys[3].d);
+            let d = _mm_mul_ps(_mm_set1_ps(h2f(b.d)), yd);
+            let dmin = _mm_mul_ps(_mm_set1_ps(h2f(b.dmin)), yd);
+            // pm[n] lane j: the mins of sub-block pair j against column n's sums.
+            let pm: [__m128i; 4] = std::array::from_fn(|n| {
+                let q8sums = _mm256_loadu_si256(ys[n].bsums.as_ptr() as *const __m256i);
+                let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+                _mm_madd_epi16(mins, q8s)
+            });
+            // Transposed: pmt[j] lane n.
+            let (a, c) = (_mm_unpacklo_epi32(pm[0], pm[1]), _mm_unpacklo_epi32(pm[2], pm[3]));
+            let (e, f) = (_mm_unpackhi_epi32(pm[0], pm[1]), _mm_unpackhi_epi32(pm[2], pm[3]));
+            let pmt = [
+                _mm_unpacklo_epi64(a, c),
+                _mm_unpackhi_epi64(a, c),
+                _mm_unpacklo_epi64(e, f),
+                _mm_unpackhi_epi64(e, f),
+            ];
+            // Lane n of the result: the sum of column n's eight lanes.
+            let lanes4 = |p: [__m256i; 4]| {
+                let t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+                _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1))
+            };
+            let mut all = [_mm256_setzero_si256(); 4];
+            for j in 0..4 {
+                let bits = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
+                let ql = _mm256_and_si256(bits, m4);
+                let qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                let (sl, sh) =
+                    (_mm256_shuffle_epi8(scales, shuffle[2 * j]), _mm256_shuffle_epi8(scales, shuffle[2 * j + 1]));
+                let p: [__m256i; 4] = std::array::from_fn(|n| {
+                    let q8l = _mm256_loadu_si256(ys[n].qs.as_ptr().add(64 * j) as *const __m256i);
+                    let q8h = _mm256_loadu_si256(ys[n].qs.as_ptr().add(64 * j + 32) as *const __m256i);
+                    let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, q8l));
+                    let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(qh, q8h));
+                    _mm256_add_epi32(pl, ph)
+                });
+                if PAIRS {
+                    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(lanes4(p)), d, acc);
+                    accm = _mm_fmadd_ps(_mm_cvtepi32_ps(pmt[j]), dmin, accm);
+                } else {
+                    for n in 0..4 {
+                        all[n] = _mm256_add_epi32(all[n], p[n]);
+                    }
+                }
+            }
+            if !PAIRS {
+                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(lanes4(all)), d, acc);
+                let pms = _mm_add_epi32(_mm_add_epi32(pmt[0], pmt[1]), _mm_add_epi32(pmt[2], pmt[3]));
+                accm = _mm_fmadd_ps(_mm_cvtepi32_ps(pms), dmin, accm);
+            }
+        }
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, accm));
+        out
     }
 
     /// One Q6_K row against `N` Q8_K rows (GGML's `ggml_vec_dot_q6_K_q8_K`,
@@ -526,6 +606,16 @@ mod tests {
             let p4 = unsafe { avx2::dot_q4_k::<true, 3>(&w4, refs) };
             assert_eq!(p4.map(f32::to_bits), scalar::dot_q4_k::<true, 3>(&w4, refs).map(f32::to_bits), "q4_k pairs");
             assert_eq!(a6.map(f32::to_bits), scalar::dot_q6_k(&w6, refs).map(f32::to_bits), "q6_k nb={nb}");
+            // Four columns take their own kernel (the float work of the four at once).
+            let refs4 = [refs[0], refs[1], refs[2], refs[0]];
+            // SAFETY: as above.
+            let (f4, q4) = unsafe { (avx2::dot_q4_k::<false, 4>(&w4, refs4), avx2::dot_q4_k::<true, 4>(&w4, refs4)) };
+            assert_eq!(f4.map(f32::to_bits), scalar::dot_q4_k::<false, 4>(&w4, refs4).map(f32::to_bits), "q4_k x4");
+            assert_eq!(
+                q4.map(f32::to_bits),
+                scalar::dot_q4_k::<true, 4>(&w4, refs4).map(f32::to_bits),
+                "q4_k x4 pairs"
+            );
             // SAFETY: as above.
             let one = unsafe { avx2::dot_q4_k::<false, 1>(&w4, [refs[2]]) };
             assert_eq!(one[0].to_bits(), a4[2].to_bits());
