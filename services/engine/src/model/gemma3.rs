@@ -74,7 +74,7 @@ fn load_layer(g: &Gguf, c: &ModelConfig, i: usize) -> Result<Layer> {
 
 /// Gemma's query scale: 1/√head (1/√(width/heads) for the 27B model, as
 /// Google's reference sets `query_pre_attn_scalar`).
-fn query_scale(c: &ModelConfig) -> f32 {
+pub(crate) fn query_scale(c: &ModelConfig) -> f32 {
     let d = if c.n_layers == 62 { c.n_embd / c.n_heads } else { c.head_dim };
     1.0 / (d as f32).sqrt()
 }
