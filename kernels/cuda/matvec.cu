@@ -9,8 +9,9 @@
 
 #define MAX_TOK 8
 
-// One warp per output row over blocks of type B, dotted by `dot`.
-template <class B, float (*dot)(const B&, const block_q8*)>
+// One warp per output row over blocks of type B, dotted by `dot`; each
+// weight block spans XB activation blocks (8 for a K-quant's 256 values).
+template <class B, float (*dot)(const B&, const block_q8*), int XB = 1>
 __device__ __forceinline__ void matvec(const B* w, const block_q8* x, float* y, int rows, int blocks_per_row,
                                        int n_tok) {
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
@@ -24,7 +25,7 @@ __device__ __forceinline__ void matvec(const B* w, const block_q8* x, float* y, 
 #pragma unroll
     for (int t = 0; t < MAX_TOK; ++t) {
       if (t >= n_tok) break;
-      acc[t] += dot(wb, x + (size_t)t * blocks_per_row + b);
+      acc[t] += dot(wb, x + ((size_t)t * blocks_per_row + b) * XB);
     }
   }
 #pragma unroll
@@ -43,4 +44,41 @@ extern "C" __global__ void matvec_q4_1(const block_q4_1* w, const block_q8* x, f
 extern "C" __global__ void matvec_q8_0(const block_q8_0* w, const block_q8* x, float* y, int rows,
                                        int blocks_per_row, int n_tok) {
   matvec<block_q8_0, block_dot_q8_0>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
+// The 5-bit types and the K-quants (`block_dot_kq`, common.cuh);
+// `blocks_per_row` counts weight blocks (of 32 or 256 values).
+extern "C" __global__ void matvec_q5_0(const block_q5_0* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
+  matvec<block_q5_0, block_dot_kq<block_q5_0>, 1>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
+extern "C" __global__ void matvec_q5_1(const block_q5_1* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
+  matvec<block_q5_1, block_dot_kq<block_q5_1>, 1>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
+extern "C" __global__ void matvec_q2_k(const block_q2_K* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
+  matvec<block_q2_K, block_dot_kq<block_q2_K>, 8>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
+extern "C" __global__ void matvec_q3_k(const block_q3_K* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
+  matvec<block_q3_K, block_dot_kq<block_q3_K>, 8>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
+extern "C" __global__ void matvec_q4_k(const block_q4_K* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
+  matvec<block_q4_K, block_dot_kq<block_q4_K>, 8>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
+extern "C" __global__ void matvec_q5_k(const block_q5_K* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
+  matvec<block_q5_K, block_dot_kq<block_q5_K>, 8>(w, x, y, rows, blocks_per_row, n_tok);
+}
+
+extern "C" __global__ void matvec_q6_k(const block_q6_K* w, const block_q8* x, float* y, int rows, int blocks_per_row,
+                                       int n_tok) {
+  matvec<block_q6_K, block_dot_kq<block_q6_K>, 8>(w, x, y, rows, blocks_per_row, n_tok);
 }

@@ -2,7 +2,9 @@
 // very same sources, one thread at a time: embed_q4_1, embed_q8_0, the f16
 // dequantizers and cast (dequant.cu), rope,
 // kv_write, silu_mul, add_into, and matvec's per-block dot products
-// (block_dot_q4_1, block_dot_q8_0). pdmesh-cuda's tests write the inputs,
+// (block_dot_q4_1, block_dot_q8_0), and for the 5-bit types and K-quants
+// their f32 values (`kq_value`), f16 dequantizers and block dots
+// (`block_dot_kq`). pdmesh-cuda's tests write the inputs,
 // run `harness CASE DIR ARGS...`, and compare DIR/out.bin with the CPU
 // reference (pdmesh-kernels, pdmesh-engine's KV layout).
 #include <cstdio>
@@ -59,11 +61,57 @@ static dim3 block_of(unsigned threads) {
   return b;
 }
 
+static_assert(sizeof(block_q5_0) == 22 && sizeof(block_q5_1) == 24 && sizeof(block_q2_K) == 84, "block sizes");
+static_assert(sizeof(block_q3_K) == 110 && sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176, "block sizes");
+static_assert(sizeof(block_q6_K) == 210, "block sizes");
+
+// `kq OP TYPE N`: OP values (f32 values of every block in w.bin), dequant
+// (the type's f16 kernel over N values), dot (each block against the Q8
+// blocks it spans in x.bin).
+template <class B>
+static void kq_case(const std::string& op, long n, void (*dequant)(const B*, f16_bits*, long)) {
+  auto w = load<B>("w.bin");
+  const int per = kq_traits<B>::values;
+  if (op == "values") {
+    std::vector<float> out(w.size() * per);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = kq_value(w[i / per], (int)(i % per));
+    save(out);
+  } else if (op == "dequant") {
+    std::vector<f16_bits> out(n);
+    launch(grid_for(n, 256), block_of(256), [&] { dequant(w.data(), out.data(), n); });
+    save(out);
+  } else {
+    auto x = load<block_q8>("x.bin");
+    std::vector<float> out(w.size());
+    for (size_t i = 0; i < w.size(); ++i) out[i] = block_dot_kq(w[i], &x[i * (per / QK)]);
+    save(out);
+  }
+}
+
+static int kq(const std::string& op, const std::string& type, long n) {
+  if (type == "q5_0") kq_case<block_q5_0>(op, n, dequant_q5_0_f16);
+  else if (type == "q5_1") kq_case<block_q5_1>(op, n, dequant_q5_1_f16);
+  else if (type == "q2_k") kq_case<block_q2_K>(op, n, dequant_q2_k_f16);
+  else if (type == "q3_k") kq_case<block_q3_K>(op, n, dequant_q3_k_f16);
+  else if (type == "q4_k") kq_case<block_q4_K>(op, n, dequant_q4_k_f16);
+  else if (type == "q5_k") kq_case<block_q5_K>(op, n, dequant_q5_k_f16);
+  else if (type == "q6_k") kq_case<block_q6_K>(op, n, dequant_q6_k_f16);
+  else {
+    std::fprintf(stderr, "unknown type %s\n", type.c_str());
+    return 2;
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) return 2;
   const std::string what = argv[1];
   dir = argv[2];
   auto arg = [&](int i) { return std::atoi(argv[3 + i]); };
+  if (what == "kq") {
+    if (argc < 6) return 2;
+    return kq(argv[3], argv[4], std::atol(argv[5]));
+  }
   if (what == "embed_q4_1" || what == "embed_q8_0") {
     const int n_tok = arg(0), cols = arg(1);
     auto tokens = load<int>("tokens.bin");

@@ -26,6 +26,10 @@ inline float __int_as_float(int i) {
 
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 
+// Rounded products and differences (on a GPU: never contracted into an FMA).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+
 // Run `kernel()` for every thread of every block, in order.
 template <class K>
 void launch(dim3 grid, dim3 block, K kernel) {

@@ -76,6 +76,35 @@ fn knob(name: &str, text: Option<String>, range: std::ops::RangeInclusive<u32>, 
 pub enum WeightType {
     Q4_1,
     Q8_0,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl WeightType {
+    /// Values per block, bytes per block, and the name the kernels use.
+    fn block(self) -> (usize, usize, &'static str) {
+        match self {
+            WeightType::Q4_1 => (32, 20, "q4_1"),
+            WeightType::Q8_0 => (32, 34, "q8_0"),
+            WeightType::Q5_0 => (32, 22, "q5_0"),
+            WeightType::Q5_1 => (32, 24, "q5_1"),
+            WeightType::Q2K => (256, 84, "q2_k"),
+            WeightType::Q3K => (256, 110, "q3_k"),
+            WeightType::Q4K => (256, 144, "q4_k"),
+            WeightType::Q5K => (256, 176, "q5_k"),
+            WeightType::Q6K => (256, 210, "q6_k"),
+        }
+    }
+
+    /// Values per block (32, or 256 for a K-quant).
+    pub fn block_values(self) -> usize {
+        self.block().0
+    }
 }
 
 /// Whether this machine has a CUDA driver (`libcuda.so`); nothing else is touched.
@@ -105,10 +134,26 @@ fn err(what: &str) -> impl Fn(DriverError) -> GpuError + '_ {
 
 /// Bytes of one weight block of `ty` (32 values).
 pub fn weight_block_bytes(ty: WeightType) -> usize {
-    match ty {
-        WeightType::Q4_1 => 20,
-        WeightType::Q8_0 => 34,
+    ty.block().1
+}
+
+/// A kernel's name for weights of `ty`: `{prefix}_{type}{suffix}`.
+fn kernel_for(prefix: &str, ty: WeightType, suffix: &str) -> &'static str {
+    let name = format!("{prefix}_{}{suffix}", ty.block().2);
+    crate::SOURCES
+        .iter()
+        .flat_map(|s| s.kernels())
+        .find(|k| *k == name)
+        .unwrap_or_else(|| panic!("no kernel {name} in the CUDA sources"))
+}
+
+/// Weight blocks in a row of `cols` values of type `ty`.
+fn weight_blocks_per_row(what: &str, ty: WeightType, cols: usize) -> Result<usize, GpuError> {
+    let per = ty.block_values();
+    if cols.is_multiple_of(per) {
+        return Ok(cols / per);
     }
+    Err(GpuError::invalid(format!("{what}: rows of {cols} values are not whole blocks of {per}")))
 }
 
 fn blocks_per_row(what: &str, cols: usize) -> Result<usize, GpuError> {
@@ -267,11 +312,8 @@ impl Gpu {
     /// A weight matrix of `n_values` values (Q4_1 or Q8_0 blocks)
     /// dequantized into a new f16 buffer, row-major as the blocks lie.
     pub fn dequant_f16(&self, w: &CudaSlice<u8>, ty: WeightType, n_values: usize) -> Result<CudaSlice<u16>, GpuError> {
-        let name = match ty {
-            WeightType::Q4_1 => "dequant_q4_1_f16",
-            WeightType::Q8_0 => "dequant_q8_0_f16",
-        };
-        let n_blocks = blocks_per_row(name, n_values)?;
+        let name = kernel_for("dequant", ty, "_f16");
+        let n_blocks = weight_blocks_per_row(name, ty, n_values)?;
         fits(name, "weights (bytes)", w.len(), n_blocks * weight_block_bytes(ty))?;
         let mut out = self.zeros::<u16>(n_values)?;
         let n = n_values as i64;
@@ -325,6 +367,7 @@ impl Gpu {
         let name = match ty {
             WeightType::Q4_1 => "embed_q4_1",
             WeightType::Q8_0 => "embed_q8_0",
+            other => return Err(GpuError::invalid(format!("no embedding kernel for {other:?} tables"))),
         };
         let row_bytes = blocks_per_row(name, cols)? * weight_block_bytes(ty);
         fits(name, "tokens", tokens.len(), n_tok)?;
@@ -390,13 +433,12 @@ impl Gpu {
         cols: usize,
         n_tok: usize,
     ) -> Result<(), GpuError> {
-        let name = match ty {
-            WeightType::Q4_1 => "matvec_q4_1",
-            WeightType::Q8_0 => "matvec_q8_0",
-        };
-        let bpr = blocks_per_row(name, cols)?;
+        let name = kernel_for("matvec", ty, "");
+        let bpr = weight_blocks_per_row(name, ty, cols)?;
+        // Activations come in Q8 blocks of 32, whatever the weights' blocks.
+        let xpr = cols / 32;
         fits(name, "weights (bytes)", w.len(), rows * bpr * weight_block_bytes(ty))?;
-        fits(name, "x (bytes)", x.len(), n_tok * bpr * Q8_BLOCK_BYTES)?;
+        fits(name, "x (bytes)", x.len(), n_tok * xpr * Q8_BLOCK_BYTES)?;
         fits(name, "y", y.len(), n_tok * rows)?;
         let rpc = self.knobs.rows_per_cta;
         let cfg = LaunchConfig {
@@ -406,7 +448,7 @@ impl Gpu {
         };
         for t0 in (0..n_tok).step_by(MATVEC_MAX_TOK) {
             let n = (n_tok - t0).min(MATVEC_MAX_TOK) as i32;
-            let xs = x.slice(t0 * bpr * Q8_BLOCK_BYTES..);
+            let xs = x.slice(t0 * xpr * Q8_BLOCK_BYTES..);
             let mut ys = y.slice_mut(t0 * rows..);
             let (r, b_) = (rows as i32, bpr as i32);
             let mut b = self.stream.launch_builder(self.f(name));

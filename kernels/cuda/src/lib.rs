@@ -116,8 +116,19 @@ mod tests {
     #[test]
     fn every_source_defines_kernels() {
         let names: Vec<&str> = SOURCES.iter().flat_map(|s| s.kernels()).collect();
-        assert_eq!(names.len(), 16, "{names:?}");
-        for k in ["matvec_q4_1", "matvec_q8_0", "attention", "rms_norm", "rope", "argmax", "sample_temperature"] {
+        assert_eq!(names.len(), 30, "{names:?}");
+        for k in [
+            "matvec_q4_1",
+            "matvec_q8_0",
+            "matvec_q4_k",
+            "matvec_q6_k",
+            "dequant_q5_0_f16",
+            "attention",
+            "rms_norm",
+            "rope",
+            "argmax",
+            "sample_temperature",
+        ] {
             assert!(names.contains(&k), "{k} missing from {names:?}");
         }
     }

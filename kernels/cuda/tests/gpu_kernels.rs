@@ -125,6 +125,69 @@ fn reference_matvec(
             quant::quantize_q8_0(w, &mut b);
             (bytes(&b), products(&b, nb, xq, n_tok, pdmesh_kernels::dot::scalar::dot_q8_0::<1>))
         }
+        other => unreachable!(
+            "{other:?} weights are tested from random blocks (gpu_k_quant_matvec_and_dequant_match_the_cpu)"
+        ),
+    }
+}
+
+/// The 5-bit types and the K-quants: random blocks (finite scales), their
+/// f16 dequantization equal to the CPU's values rounded once, and the
+/// matvec against the f64 products of those values and the activations.
+#[test]
+fn gpu_k_quant_matvec_and_dequant_match_the_cpu() {
+    use pdmesh_kernels::formats::TensorType;
+    use pdmesh_kernels::matmul::QData;
+    let Some(g) = gpu("gpu_k_quant_matvec_and_dequant_match_the_cpu") else { return };
+    let (rows, cols, n_tok) = (96, 512, 5);
+    let mut rng = Rng::new(14);
+    let types = [
+        (WeightType::Q5_0, TensorType::Q5_0, &[0usize][..]),
+        (WeightType::Q5_1, TensorType::Q5_1, &[0, 2][..]),
+        (WeightType::Q2K, TensorType::Q2K, &[80, 82][..]),
+        (WeightType::Q3K, TensorType::Q3K, &[108][..]),
+        (WeightType::Q4K, TensorType::Q4K, &[0, 2][..]),
+        (WeightType::Q5K, TensorType::Q5K, &[0, 2][..]),
+        (WeightType::Q6K, TensorType::Q6K, &[208][..]),
+    ];
+    let x: Vec<f32> = rng.normal_vec(n_tok * cols).iter().map(|v| v * 2.0).collect();
+    let mut xq = vec![BlockQ8::default(); n_tok * cols / QK];
+    quant::quantize_q8(&x, &mut xq);
+    let dq = g.upload(&bytes(&xq)).unwrap();
+    for (ty, tt, f16_at) in types {
+        let (per, size) = (tt.block().0 as usize, tt.block().1 as usize);
+        let nb = rows * cols / per;
+        let mut raw: Vec<u8> = (0..nb * size).map(|_| (rng.next_u64() >> 56) as u8).collect();
+        for b in 0..nb {
+            for &at in f16_at {
+                let v = half::f16::from_f32(rng.normal() * 0.05).to_bits().to_le_bytes();
+                raw[b * size + at..b * size + at + 2].copy_from_slice(&v);
+            }
+        }
+        let mut store = vec![0u64; raw.len().div_ceil(8)];
+        // SAFETY: `store` holds at least `raw.len()` bytes.
+        let view = unsafe { std::slice::from_raw_parts_mut(store.as_mut_ptr().cast::<u8>(), raw.len()) };
+        view.copy_from_slice(&raw);
+        let mut wf = vec![0f32; rows * cols];
+        QData::from_bytes(tt, view).unwrap().dequantize(0, &mut wf);
+        let dw = g.upload(&raw).unwrap();
+        let f16 = g.download(&g.dequant_f16(&dw, ty, rows * cols).unwrap()).unwrap();
+        let want16: Vec<u16> = wf.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect();
+        assert_eq!(f16, want16, "dequant {ty:?}");
+        let mut want = vec![0f32; n_tok * rows];
+        for t in 0..n_tok {
+            for r in 0..rows {
+                want[t * rows + r] = (0..cols)
+                    .map(|c| {
+                        let b = &xq[(t * cols + c) / QK];
+                        wf[r * cols + c] as f64 * b.d as f64 * b.qs[c % QK] as f64
+                    })
+                    .sum::<f64>() as f32;
+            }
+        }
+        let mut dy = g.zeros::<f32>(n_tok * rows).unwrap();
+        g.matvec(&dw, ty, &dq, &mut dy, rows, cols, n_tok).unwrap();
+        close(&g.download(&dy).unwrap(), &want, 1e-4, &format!("matvec {ty:?}"));
     }
 }
 

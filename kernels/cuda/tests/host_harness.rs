@@ -2,7 +2,8 @@
 //! CPU from their very sources (kernels/cuda/host: a C++ shim that steps
 //! through blocks and threads one at a time), against the CPU reference:
 //! `embed_q4_1`, `embed_q8_0`, the f16 dequantizers and cast, `rope`,
-//! `kv_write`, `silu_mul`, `add_into`, and matvec's per-block dot products. This checks their indexing, nibble
+//! `kv_write`, `silu_mul`, `add_into`, and matvec's per-block dot products,
+//! for Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q2_K to Q6_K. This checks their indexing, nibble
 //! order, angles and the paged-KV layout here; the GPU check script
 //! (scripts/gpu-check.sh) checks every kernel on a GPU.
 // Tests unwrap: a failed unwrap is a failed test.
@@ -227,4 +228,71 @@ fn f16_dequantizers_and_cast_round_the_cpus_values_once() {
     x.extend([1.0 + 1.0 / 2048.0, 6.0e-8, -1.0e-6, 70000.0, -0.0]);
     write(&dir, "x.bin", &x);
     assert_eq!(halves(&run(&bin, &dir, "cast_f16", &[s(x.len())])), to_f16(&x), "cast_f16");
+}
+
+/// The 5-bit types and the K-quants: each type's value of every weight
+/// (`kq_value`) is the CPU dequantizer's f32, bit for bit; its f16
+/// dequantizing kernel rounds that once; its block dot (matvec's inner
+/// step, over the Q8 activation blocks a weight block spans) is the f64
+/// product of those values and the activations, to f32 rounding.
+#[test]
+fn k_quant_values_dequantizers_and_block_dots_match_the_cpu() {
+    use pdmesh_kernels::formats::TensorType;
+    use pdmesh_kernels::matmul::QData;
+    let Some((bin, dir)) = harness("k_quant_values_dequantizers_and_block_dots_match_the_cpu") else { return };
+    let mut rng = Rng::new(11);
+    // (type, harness name, byte offsets of its f16 scales)
+    let types: [(TensorType, &str, &[usize]); 7] = [
+        (TensorType::Q5_0, "q5_0", &[0]),
+        (TensorType::Q5_1, "q5_1", &[0, 2]),
+        (TensorType::Q2K, "q2_k", &[80, 82]),
+        (TensorType::Q3K, "q3_k", &[108]),
+        (TensorType::Q4K, "q4_k", &[0, 2]),
+        (TensorType::Q5K, "q5_k", &[0, 2]),
+        (TensorType::Q6K, "q6_k", &[208]),
+    ];
+    let halves = |b: &[u8]| b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>();
+    for (ty, name, f16_at) in types {
+        let (per, size) = (ty.block().0 as usize, ty.block().1 as usize);
+        let nb = 24;
+        let mut raw: Vec<u8> = (0..nb * size).map(|_| (rng.next_u64() >> 56) as u8).collect();
+        for b in 0..nb {
+            for &at in f16_at {
+                let v = half::f16::from_f32(rng.normal() * 0.05).to_bits().to_le_bytes();
+                raw[b * size + at..b * size + at + 2].copy_from_slice(&v);
+            }
+        }
+        std::fs::write(dir.join("w.bin"), &raw).unwrap();
+        // Blocks need their type's alignment to be viewed in place.
+        let mut store = vec![0u64; raw.len().div_ceil(8)];
+        // SAFETY: `store` holds at least `raw.len()` bytes.
+        let view = unsafe { std::slice::from_raw_parts_mut(store.as_mut_ptr().cast::<u8>(), raw.len()) };
+        view.copy_from_slice(&raw);
+        let mut want = vec![0f32; nb * per];
+        QData::from_bytes(ty, view).unwrap().dequantize(0, &mut want);
+        let n = want.len();
+        let got = floats(&run(&bin, &dir, "kq", &[s("values"), s(name), s(n)]));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{name}: f32 values");
+        let f16s: Vec<u16> = want.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect();
+        assert_eq!(halves(&run(&bin, &dir, "kq", &[s("dequant"), s(name), s(n)])), f16s, "{name}: f16 dequantizer");
+        let x: Vec<f32> = rng.normal_vec(n).iter().map(|v| v * 2.0).collect();
+        let mut xq = vec![BlockQ8::default(); n / QK];
+        quant::quantize_q8(&x, &mut xq);
+        write(&dir, "x.bin", &xq);
+        let got = floats(&run(&bin, &dir, "kq", &[s("dot"), s(name), s(n)]));
+        for (b, g) in got.iter().enumerate() {
+            let (mut exact, mut scale) = (0f64, 0f64);
+            for e in b * per..(b + 1) * per {
+                let xb = &xq[e / QK];
+                let xv = xb.d as f64 * xb.qs[e % QK] as f64;
+                exact += want[e] as f64 * xv;
+                scale += (want[e] as f64 * xv).abs();
+            }
+            assert!(
+                (*g as f64 - exact).abs() <= 1e-5 * scale + 1e-6,
+                "{name} block {b}: {g} against {exact} (magnitude {scale})"
+            );
+        }
+    }
 }

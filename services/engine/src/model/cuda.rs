@@ -221,6 +221,13 @@ impl CudaModel {
             let ty = match w.ty {
                 TensorType::Q4_1 => WeightType::Q4_1,
                 TensorType::Q8_0 => WeightType::Q8_0,
+                TensorType::Q5_0 => WeightType::Q5_0,
+                TensorType::Q5_1 => WeightType::Q5_1,
+                TensorType::Q2K => WeightType::Q2K,
+                TensorType::Q3K => WeightType::Q3K,
+                TensorType::Q4K => WeightType::Q4K,
+                TensorType::Q5K => WeightType::Q5K,
+                TensorType::Q6K => WeightType::Q6K,
                 other => return Err(EngineError::Unsupported(format!("the CUDA backend has no {other} kernels yet"))),
             };
             let data = gpu.upload(&w.map[w.range.clone()]).map_err(gpu_err)?;
@@ -241,6 +248,12 @@ impl CudaModel {
                 w_up: up(&l.w_up)?,
                 w_down: up(&l.w_down)?,
             });
+        }
+        if !matches!(model.tok_embd.ty, TensorType::Q4_1 | TensorType::Q8_0) {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA backend embeds tokens from Q4_1 or Q8_0 tables; this file's token_embd is {}",
+                model.tok_embd.ty
+            )));
         }
         let tok_embd = up(&model.tok_embd)?;
         let output = model.output.as_ref().map(up).transpose()?;
