@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
-use opentelemetry::{Context, KeyValue};
+use opentelemetry::Context;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider, SpanProcessor};
 use opentelemetry_sdk::Resource;
@@ -330,6 +330,8 @@ pub fn finish<T>(span: &tracing::Span, r: Result<T, tonic::Status>) -> Result<T,
     r
 }
 
+/// A span event's attribute (`SpanExt::add_event`).
+pub use opentelemetry::KeyValue;
 /// Set attributes, links and parents on `tracing` spans (re-exported so
 /// services need not depend on `tracing-opentelemetry` themselves).
 pub use tracing_opentelemetry::OpenTelemetrySpanExt as SpanExt;

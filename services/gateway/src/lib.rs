@@ -473,7 +473,10 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind
     // Roomy: the router should never wait on a slow client; the body records
     // how long each chunk waited for it instead.
     let (tx, rx) = tokio::sync::mpsc::channel::<(std::time::Instant, Bytes)>(1024);
-    tokio::spawn(stream_sse(g.clone(), up, answer, parsed.include_usage, Timed(tx)));
+    // In the request's span: a failover's call and event belong to its trace.
+    tokio::spawn(
+        stream_sse(g.clone(), up, answer, parsed.include_usage, Timed(tx)).instrument(tracing::Span::current()),
+    );
     Reply::Sse(rx)
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::response::Response;
 use pdmesh_core::peers::Peers;
 use pdmesh_core::telemetry::{self, SpanExt};
-use pdmesh_core::vocab::{attr, rpc};
+use pdmesh_core::vocab::{attr, event, rpc};
 use pdmesh_proto::router::v1 as pb;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -39,6 +39,11 @@ pub struct Upstream {
     first: Option<Option<pb::GenerateResponse>>,
     /// The client span of the current call; it ends when this is dropped.
     rpc: telemetry::Held,
+    /// The request's span (the gateway's root): every call it makes, the
+    /// failovers' too, is its child, so the request stays one trace.
+    parent: tracing::Span,
+    /// The router serving the current call (its service id).
+    router: String,
     /// Token ids handed out so far.
     sent: Vec<u32>,
     pub failovers: u32,
@@ -49,10 +54,11 @@ impl Upstream {
     /// their own HTTP status.
     pub async fn open(routers: Peers, request: pb::GenerateRequest, deadline: Duration) -> Result<Upstream, Response> {
         let until = Instant::now() + deadline;
-        let (stream, first, rpc) = call(&routers, &request, until).await.map_err(|e| e.response())?;
+        let parent = tracing::Span::current();
+        let (stream, first, rpc, router) = call(&routers, &request, until).await.map_err(|e| e.response())?;
         let first = Some(first);
         let rpc = telemetry::Held(rpc);
-        Ok(Upstream { routers, request, until, stream, first, rpc, sent: Vec::new(), failovers: 0 })
+        Ok(Upstream { routers, request, until, stream, first, rpc, parent, router, sent: Vec::new(), failovers: 0 })
     }
 
     /// The request's client span (the current router call's).
@@ -91,18 +97,46 @@ impl Upstream {
     }
 
     /// Send the request again, with the ids streamed so far, to a router
-    /// that answers; its first event is the next one handed out.
+    /// that answers; its first event is the next one handed out. The new
+    /// call is the request span's child, and the span gets an event that
+    /// says which router was lost, how, after how many tokens, and where
+    /// the request went on.
     async fn fail_over(&mut self, lost: tonic::Status) -> Result<(), tonic::Status> {
         self.failovers += 1;
         let mut request = self.request.clone();
         // All max_tokens may be here already (the router was lost before
         // the finish): the next router then sends just the finish and usage.
         request.resume_ids = self.sent.clone();
-        let (stream, first, rpc) = call(&self.routers, &request, self.until).await.map_err(|e| e.status(lost))?;
+        let why = format!("{:?}: {}", lost.code(), lost.message());
+        let opened = call(&self.routers, &request, self.until).instrument(self.parent.clone()).await;
+        let (stream, first, rpc, router) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                self.failed_over("none", &why);
+                return Err(e.status(lost));
+            }
+        };
         rpc.set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
-        tracing::Span::current().set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
-        (self.stream, self.first, self.rpc) = (stream, Some(first), telemetry::Held(rpc));
+        self.parent.set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
+        self.failed_over(&router, &why);
+        (self.stream, self.first, self.rpc, self.router) = (stream, Some(first), telemetry::Held(rpc), router);
         Ok(())
+    }
+
+    /// The failover's event on the request span (`to`: "none" when no
+    /// router could take the request).
+    fn failed_over(&self, to: &str, why: &str) {
+        use telemetry::KeyValue;
+        self.parent.add_event(
+            event::ROUTER_FAILOVER,
+            vec![
+                KeyValue::new(attr::FAILOVER_FROM, self.router.clone()),
+                KeyValue::new(attr::FAILOVER_TO, to.to_string()),
+                KeyValue::new(attr::FAILOVER_AFTER_TOKENS, self.sent.len() as i64),
+                KeyValue::new(attr::FAILOVER_STATUS, why.to_string()),
+            ],
+        );
+        tracing::warn!(from = %self.router, to, after_tokens = self.sent.len(), status = why, "router failover");
     }
 }
 
@@ -136,7 +170,9 @@ impl Refused {
     }
 }
 
-type Opened = (tonic::Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>, tracing::Span);
+/// A router call open to its first event: the stream, that event, the
+/// call's client span, and the router's service id.
+type Opened = (tonic::Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>, tracing::Span, String);
 
 /// A router call up to its first event, asking again (the same router
 /// restarted, or another) while none can be reached, for `ROUTER_PATIENCE`.
@@ -148,9 +184,11 @@ async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) ->
         let left = until.saturating_duration_since(Instant::now());
         let wait = patience.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
         let list = routers.wait_any(wait).await.ok_or(Refused::NoRouter)?;
-        let ch = routers.channel(&list[attempt % list.len()]).map_err(Refused::Internal)?;
+        let inst = &list[attempt % list.len()];
+        let ch = routers.channel(inst).map_err(Refused::Internal)?;
         attempt += 1;
         let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, request.clone());
+        rpc.set_attribute(attr::PEER_INSTANCE, inst.id.clone());
         req.set_timeout(left);
         let mut client = pb::router_client::RouterClient::new(ch);
         let opened = async {
@@ -159,7 +197,7 @@ async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) ->
             Ok::<_, tonic::Status>((s, first))
         };
         match tokio::time::timeout(left + DEADLINE_SLACK, opened.instrument(rpc.clone())).await {
-            Ok(Ok((stream, first))) => return Ok((stream, first, rpc)),
+            Ok(Ok((stream, first))) => return Ok((stream, first, rpc, inst.id.clone())),
             Ok(Err(s)) => {
                 telemetry::record_status(&rpc, Some(&s));
                 let again = t0.elapsed() + ROUTER_RETRY;

@@ -179,3 +179,143 @@ async fn the_real_jaeger_holds_whole_traces_that_explain_and_search_read() {
     drop(mesh);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A streamed chat request of `max_tokens` through the gateway, open once
+/// `n` events arrived: the connection, what was read so far (headers and
+/// all), and the trace id the gateway named.
+fn open_stream(gateway: &str, max_tokens: u32, n: usize) -> (std::net::TcpStream, String, String) {
+    use std::io::{Read, Write};
+    let extra = format!(r#","max_tokens":{max_tokens},"ignore_eos":true,"stream":true"#);
+    let body = chat_body("Write a short story about a lighthouse keeper.", &extra);
+    let mut s = std::net::TcpStream::connect(gateway).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let (mut buf, mut got) = ([0u8; 4096], String::new());
+    while got.matches("data:").count() < n {
+        let k = s.read(&mut buf).unwrap();
+        assert!(k > 0, "stream ended early: {got}");
+        got.push_str(&String::from_utf8_lossy(&buf[..k]));
+    }
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    let tid = got
+        .lines()
+        .find_map(|l| l.strip_prefix("x-pdmesh-trace-id:").map(|v| v.trim().to_string()))
+        .expect("traced: the gateway names the trace");
+    (s, got, tid)
+}
+
+/// The instance of `kind` running a request now (by its /metrics): its id and pid.
+async fn busy(mesh: &Mesh, kind: &str) -> (String, i32) {
+    use pdmesh_core::vocab::metric;
+    let gauge = if kind == "router" { metric::router::IN_FLIGHT } else { metric::decode::RUNNING };
+    for i in mesh.registry().healthy(kind).await.unwrap() {
+        let (_, m) = pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/metrics");
+        if pdmesh_core::http::metric(&m, gauge).unwrap_or(0.0) >= 1.0 {
+            return (i.id.clone(), pid_of(&i));
+        }
+    }
+    panic!("no {kind} is running the request");
+}
+
+/// The instances of `service` that wrote spans into the trace.
+fn instances(spans: &[Span], service: &str) -> HashSet<String> {
+    spans
+        .iter()
+        .filter(|s| s.service == service)
+        .filter_map(|s| s.attrs.get(pdmesh_core::vocab::attr::SERVICE_INSTANCE_ID)?.as_str().map(str::to_string))
+        .collect()
+}
+
+/// One trace per request through a failover (issue 41): a router killed
+/// mid-stream (two routers: the gateway resumes the stream on the other)
+/// and a decode worker killed mid-stream (two: the router migrates the
+/// request). Each request's trace, read back from the real Jaeger, has one
+/// root, spans from both routers (or both decode workers), and says what
+/// happened: the gateway's `router failover` event (which router was lost,
+/// after how many tokens, where the request went on), or the router's
+/// migration count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
+    use pdmesh_core::vocab::{attr, event};
+    let test = "a_request_stays_one_trace_when_its_router_or_decode_worker_dies";
+    let Some(bin) = jaeger_bin() else {
+        let why = "no Jaeger binary (run scripts/gotool.sh jaeger, or set PDMESH_JAEGER_BIN)";
+        assert!(std::env::var_os("PDMESH_REQUIRE_JAEGER").is_none(), "{why}");
+        pdmesh_testkit::skip(test, why);
+        return;
+    };
+    let ui = free_addr();
+    let mesh = Mesh::up(&[
+        "--jaeger",
+        "--jaeger-bin",
+        bin.to_str().unwrap(),
+        "--jaeger-ui-addr",
+        &ui,
+        "--trace-export-delay-ms",
+        "100",
+        "--router-replicas",
+        "2",
+        "--decode-replicas",
+        "2",
+        "--threads",
+        "1",
+    ]);
+    for kind in ["router", "decode"] {
+        let service = format!("pdmesh-{kind}");
+        let (mut s, mut got, tid) = tokio::task::block_in_place(|| open_stream(&mesh.gateway, 48, 8));
+        let (killed, pid) = busy(&mesh, kind).await;
+        signal(pid, libc::SIGKILL);
+        tokio::task::block_in_place(|| {
+            use std::io::Read;
+            s.read_to_string(&mut got).unwrap();
+        });
+        assert!(got.contains("data: [DONE]") && !got.contains("\"error\""), "{kind}: the stream went on: {got}");
+        // The trace, once both instances and the gateway's root are in.
+        let t0 = Instant::now();
+        let spans = loop {
+            let (code, doc) = jaeger_get(&ui, &format!("/api/traces/{tid}"));
+            let spans = if code == 200 { from_jaeger(&doc).unwrap_or_default() } else { Vec::new() };
+            let root_in = spans.iter().any(|s| s.service == "pdmesh-gateway" && s.kind == "server");
+            if root_in && instances(&spans, &service).len() >= 2 {
+                break spans;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{kind}: trace {tid} never held both {service} instances: {:?}; roots {:#?}",
+                instances(&spans, &service),
+                roots(&spans)
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        };
+        // One root, the gateway's. A span whose parent never arrived is the
+        // killed process's (it died before exporting the parent), or a
+        // server span it had called (its client span died with it).
+        let root: Vec<&Span> = spans.iter().filter(|s| s.parent_id.is_empty()).collect();
+        assert_eq!(root.len(), 1, "{kind}: one root: {root:#?}");
+        assert_eq!(root[0].service, "pdmesh-gateway", "{kind}");
+        let stray: Vec<&Span> = roots(&spans)
+            .into_iter()
+            .filter(|s| !s.parent_id.is_empty() && s.kind != "server")
+            .filter(|s| s.attrs.get(attr::SERVICE_INSTANCE_ID).and_then(|v| v.as_str()) != Some(killed.as_str()))
+            .collect();
+        assert!(stray.is_empty(), "{kind}: spans without their parent, not the killed {killed}'s: {stray:#?}");
+        assert!(instances(&spans, &service).contains(&killed), "{kind}: the killed {killed} is in the trace");
+        if kind == "router" {
+            assert_eq!(root[0].attr_f64(attr::GATEWAY_FAILOVERS), Some(1.0), "the root counts the failover");
+            let e = root[0].events.iter().find(|e| e.name == event::ROUTER_FAILOVER).expect("a failover event");
+            let a = |k: &str| e.attrs.get(k).map(|v| v.to_string().trim_matches('"').to_string()).unwrap_or_default();
+            assert_eq!(a(attr::FAILOVER_FROM), killed, "{e:?}");
+            assert!(a(attr::FAILOVER_TO).starts_with("router") && a(attr::FAILOVER_TO) != killed, "{e:?}");
+            assert!(a(attr::FAILOVER_AFTER_TOKENS).parse::<u32>().unwrap() >= 7, "{e:?}");
+        } else {
+            let router = spans.iter().find(|s| s.service == "pdmesh-router" && s.kind == "server").unwrap();
+            assert!(router.attr_f64(attr::MIGRATIONS).unwrap_or(0.0) >= 1.0, "the router counts the migration");
+        }
+        // The killed instance's replacement serves before the next case.
+        let t0 = Instant::now();
+        while mesh.registry().healthy(kind).await.unwrap().len() < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(120), "the killed {kind} was not replaced");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}

@@ -172,6 +172,15 @@ pub mod attr {
     pub const RESUMED_AFTER_TOKENS: &str = "router.resumed_after_tokens";
     /// Gateway: times the request moved to another router mid-stream.
     pub const GATEWAY_FAILOVERS: &str = "gateway.router_failovers";
+    /// An RPC client span: the instance called (its service id, `router-1`).
+    pub const PEER_INSTANCE: &str = "peer.instance";
+    /// A [`super::event::ROUTER_FAILOVER`] event: the router lost, the
+    /// router the request went on at, the tokens the client had then, and
+    /// how the lost call ended (its gRPC status).
+    pub const FAILOVER_FROM: &str = "failover.from";
+    pub const FAILOVER_TO: &str = "failover.to";
+    pub const FAILOVER_AFTER_TOKENS: &str = "failover.after_tokens";
+    pub const FAILOVER_STATUS: &str = "failover.status";
     /// Router: tokens the caller had when the request last migrated.
     pub const MIGRATED_AFTER_TOKENS: &str = "router.migrated_after_tokens";
     /// Router: the request's migrations so far when one went off a draining
@@ -305,6 +314,13 @@ pub mod kernel {
     pub const GEMM_MIN_ROWS: &str = "knob.gemm_min_rows";
     /// How the launch's matrix products ran: `matvec` (Q8, dp4a) or `gemm` (f16, cuBLAS).
     pub const PATH: &str = "kernel.path";
+}
+
+/// Span event names (an event's OpenTelemetry name is its message).
+pub mod event {
+    /// Gateway, on the request's span: its router was lost mid-stream and
+    /// the request went on at another (attributes `failover.*`).
+    pub const ROUTER_FAILOVER: &str = "router failover";
 }
 
 /// Request limits, one home for every layer that checks them: the gateway
