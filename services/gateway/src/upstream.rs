@@ -136,7 +136,8 @@ impl Upstream {
                 KeyValue::new(attr::FAILOVER_STATUS, why.to_string()),
             ],
         );
-        tracing::warn!(from = %self.router, to, after_tokens = self.sent.len(), status = why, "router failover");
+        // The log line (also an event on the span, under its own name).
+        tracing::warn!(from = %self.router, to, after_tokens = self.sent.len(), status = why, "router lost mid-stream");
     }
 }
 

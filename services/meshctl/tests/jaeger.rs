@@ -276,7 +276,9 @@ async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
             let (code, doc) = jaeger_get(&ui, &format!("/api/traces/{tid}"));
             let spans = if code == 200 { from_jaeger(&doc).unwrap_or_default() } else { Vec::new() };
             let root_in = spans.iter().any(|s| s.service == "pdmesh-gateway" && s.kind == "server");
-            if root_in && instances(&spans, &service).len() >= 2 {
+            let router_in =
+                kind == "router" || spans.iter().any(|s| s.service == "pdmesh-router" && s.kind == "server");
+            if root_in && router_in && instances(&spans, &service).len() >= 2 {
                 break spans;
             }
             assert!(
@@ -311,6 +313,11 @@ async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
             let router = spans.iter().find(|s| s.service == "pdmesh-router" && s.kind == "server").unwrap();
             assert!(router.attr_f64(attr::MIGRATIONS).unwrap_or(0.0) >= 1.0, "the router counts the migration");
         }
+        // explain's first clause says what went wrong.
+        let said = explain(&spans).unwrap().sentence;
+        eprintln!("{kind} killed: {said}");
+        let lead = if kind == "router" { "Router" } else { "Decode worker" };
+        assert!(said.starts_with(&format!("{lead} {killed} was lost after ")), "{said}");
         // The killed instance's replacement serves before the next case.
         let t0 = Instant::now();
         while mesh.registry().healthy(kind).await.unwrap().len() < 2 {

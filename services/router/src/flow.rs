@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use pdmesh_core::grpc::peer_lost;
 use pdmesh_core::metrics::Outcome;
-use pdmesh_core::telemetry::{self, SpanExt};
-use pdmesh_core::vocab::{attr, rpc, span};
+use pdmesh_core::telemetry::{self, KeyValue, SpanExt};
+use pdmesh_core::vocab::{attr, event, rpc, span};
 use pdmesh_proto::kvbroker::v1 as kpb;
 use pdmesh_proto::router::v1 as pb;
 use pdmesh_proto::tokenizer::v1 as tpb;
@@ -195,10 +195,11 @@ impl Router {
                 return Ok(());
             }
             Failed::Migrate(e) => {
-                return if self.migrate(t, decode, ticket, sent).await { Ok(()) } else { Err(e) };
+                let why = format!("{:?}: {}", e.code(), e.message());
+                return if self.migrate(t, decode, ticket, (sent, &why)).await { Ok(()) } else { Err(e) };
             }
             Failed::HandingOver(h) => {
-                if !self.migrate(t, decode, ticket, sent).await {
+                if !self.migrate(t, decode, ticket, (sent, "draining")).await {
                     return Err(Error::DecodeDraining.into());
                 }
                 t.handover = Some(*h);
@@ -242,13 +243,25 @@ impl Router {
 
     /// Move the request off decode worker `decode` (a migration), unless it
     /// has moved `--max-migrations` times already (false).
-    async fn migrate(&self, t: &mut Tries, decode: String, ticket: &Mutex<String>, sent: usize) -> bool {
+    /// `how`: the tokens sent by then, and how the worker's call ended
+    /// (its status, or `draining`).
+    async fn migrate(&self, t: &mut Tries, decode: String, ticket: &Mutex<String>, how: (usize, &str)) -> bool {
         if t.migrations >= self.max_migrations {
             return false;
         }
         t.migrations += 1;
+        self.migrated(ticket, t.migrations, how.0).await;
+        // The request's span says which worker, after how many tokens and how.
+        let name = self.decode.instances().into_iter().find(|i| i.grpc_addr == decode).map_or(decode.clone(), |i| i.id);
+        tracing::Span::current().add_event(
+            event::DECODE_MIGRATION,
+            vec![
+                KeyValue::new(attr::FAILOVER_FROM, name),
+                KeyValue::new(attr::FAILOVER_AFTER_TOKENS, how.0 as i64),
+                KeyValue::new(attr::FAILOVER_STATUS, how.1.to_string()),
+            ],
+        );
         t.avoid.decode.push(decode);
-        self.migrated(ticket, t.migrations, sent).await;
         true
     }
 

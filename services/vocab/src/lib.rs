@@ -174,9 +174,10 @@ pub mod attr {
     pub const GATEWAY_FAILOVERS: &str = "gateway.router_failovers";
     /// An RPC client span: the instance called (its service id, `router-1`).
     pub const PEER_INSTANCE: &str = "peer.instance";
-    /// A [`super::event::ROUTER_FAILOVER`] event: the router lost, the
-    /// router the request went on at, the tokens the client had then, and
-    /// how the lost call ended (its gRPC status).
+    /// A [`super::event::ROUTER_FAILOVER`] or
+    /// [`super::event::DECODE_MIGRATION`] event: the instance lost, the one
+    /// the request went on at, the tokens the client had then, and how the
+    /// lost call ended (its gRPC status, or `draining`).
     pub const FAILOVER_FROM: &str = "failover.from";
     pub const FAILOVER_TO: &str = "failover.to";
     pub const FAILOVER_AFTER_TOKENS: &str = "failover.after_tokens";
@@ -321,6 +322,11 @@ pub mod event {
     /// Gateway, on the request's span: its router was lost mid-stream and
     /// the request went on at another (attributes `failover.*`).
     pub const ROUTER_FAILOVER: &str = "router failover";
+    /// Router, on the request's span: its decode worker was lost (or
+    /// drained) mid-stream and the request moved to another (attributes
+    /// `failover.from`, `failover.after_tokens`, `failover.status`; where
+    /// it went is the next `route` span's pick).
+    pub const DECODE_MIGRATION: &str = "decode migration";
 }
 
 /// Request limits, one home for every layer that checks them: the gateway

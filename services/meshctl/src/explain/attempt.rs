@@ -327,8 +327,13 @@ fn descends(spans: &[&Span], s: &Span, ancestor: &Span) -> bool {
     false
 }
 
-/// The worker the `route` span picked for a call (the latest route before it).
+/// The instance a call went to: the one its client span names, else the
+/// worker the `route` span picked for it (the latest route before it).
 fn picked(spans: &[&Span], call: &Span) -> String {
+    // A client span that names its peer (the gateway's router calls).
+    if let Some(peer) = call.attr_str(attr::PEER_INSTANCE) {
+        return peer.to_string();
+    }
     let kind = if call.name == rpc::PREFILL_PREFILL {
         "prefill"
     } else if call.name == rpc::DECODE_GENERATE {

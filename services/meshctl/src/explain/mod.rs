@@ -188,7 +188,19 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
         .collect();
     let top = parts.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)).expect("causes are not empty");
     let summaries: Vec<AttemptSummary> = all.iter().map(|a| summary(a, t0)).collect();
-    let sentence = words::sentence(top, ms(total), &summaries, &abnormal) + &words::migrations(spans);
+    let failed = parts.iter().find(|p| p.cause == Cause::Failed.label()).map_or((0.0, 0.0), |p| (p.ms, p.share));
+    let sentence = match words::mishaps(spans, failed) {
+        lead if lead.is_empty() => words::sentence(top, ms(total), &summaries, &abnormal),
+        lead => {
+            // The lead told the failed calls; "then" goes on with the rest.
+            let next = parts
+                .iter()
+                .filter(|p| p.cause != Cause::Failed.label())
+                .max_by(|a, b| a.ms.total_cmp(&b.ms))
+                .unwrap_or(top);
+            lead + &lower_first(&words::sentence(next, ms(total), &summaries, &abnormal))
+        }
+    };
     let mut services: Vec<String> = spans.iter().map(|s| s.service.clone()).collect();
     services.sort();
     services.dedup();
@@ -204,6 +216,12 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
         abnormal,
         start_ns: t0,
     })
+}
+
+/// `s` with its first letter in lower case (a sentence after "Then ").
+fn lower_first(s: &str) -> String {
+    let mut c = s.chars();
+    c.next().map(|f| f.to_lowercase().collect::<String>() + c.as_str()).unwrap_or_default()
 }
 
 fn summary(a: &Attempt, t0: u64) -> AttemptSummary {
@@ -321,15 +339,14 @@ mod tests {
     #[test]
     fn a_migration_is_named_with_the_tokens_it_replayed() {
         let plain = explain(&sample()).unwrap();
-        assert!(!plain.sentence.contains("migrated"), "{}", plain.sentence);
+        assert!(!plain.sentence.contains("moved"), "{}", plain.sentence);
         let mut spans = sample();
         let router = spans.iter_mut().find(|s| s.name == rpc::ROUTER_GENERATE).unwrap();
         router.attrs.insert(attr::MIGRATIONS.into(), serde_json::json!(1));
         router.attrs.insert(attr::MIGRATED_AFTER_TOKENS.into(), serde_json::json!(24));
         let e = explain(&spans).unwrap();
         assert!(
-            e.sentence
-                .contains("migrated 1 time to another decode worker, the last after 24 tokens, which were replayed"),
+            e.sentence.starts_with("Its decode worker was lost or drained mid-stream: the request moved 1 time, the last after 24 tokens, which were replayed. Then decode steps took"),
             "{}",
             e.sentence
         );
@@ -342,6 +359,62 @@ mod tests {
         router.attrs.insert(attr::HANDOVER_FAILED.into(), serde_json::json!("the ticket expired"));
         let e = explain(&spans).unwrap();
         assert!(e.sentence.contains("shipping their KV failed (the ticket expired)"), "{}", e.sentence);
+    }
+
+    /// The failover and migration events lead the sentence: which instance
+    /// was lost, how (its status), after how many tokens, and where the
+    /// request went on.
+    #[test]
+    fn a_lost_router_or_decode_worker_leads_the_sentence() {
+        use crate::trace::Event;
+        use pdmesh_core::vocab::event;
+        let mut spans = sample();
+        let at = spans[0].start_ns + 500_000_000;
+        let ev = |name: &str, kv: &[(&str, serde_json::Value)]| Event {
+            name: name.into(),
+            time_ns: at,
+            attrs: kv.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+        };
+        let root = spans.iter_mut().find(|s| s.parent_id.is_empty()).unwrap();
+        root.events.push(ev(
+            event::ROUTER_FAILOVER,
+            &[
+                (attr::FAILOVER_FROM, "router-0".into()),
+                (attr::FAILOVER_TO, "router-1".into()),
+                (attr::FAILOVER_AFTER_TOKENS, 20.into()),
+                (attr::FAILOVER_STATUS, "Unavailable: connection reset".into()),
+            ],
+        ));
+        let e = explain(&spans).unwrap();
+        assert!(
+            e.sentence.starts_with("Router router-0 was lost after 20 tokens (Unavailable: connection reset); the gateway resumed the stream on router-1. Then decode steps took"),
+            "{}",
+            e.sentence
+        );
+        let mut spans = sample();
+        let router = spans.iter_mut().find(|s| s.name == rpc::ROUTER_GENERATE).unwrap();
+        router.events.push(ev(
+            event::DECODE_MIGRATION,
+            &[
+                (attr::FAILOVER_FROM, "decode-0".into()),
+                (attr::FAILOVER_AFTER_TOKENS, 20.into()),
+                (attr::FAILOVER_STATUS, "Unavailable: transport error".into()),
+            ],
+        ));
+        let e = explain(&spans).unwrap();
+        assert!(
+            e.sentence.starts_with("Decode worker decode-0 was lost after 20 tokens (Unavailable: transport error); the request moved to another decode worker and replayed 20 tokens. Then "),
+            "{}",
+            e.sentence
+        );
+        let router = spans.iter_mut().find(|s| s.name == rpc::ROUTER_GENERATE).unwrap();
+        router.events[0].attrs.insert(attr::FAILOVER_STATUS.into(), "draining".into());
+        let e = explain(&spans).unwrap();
+        assert!(
+            e.sentence.starts_with("Decode worker decode-0 drained after 20 tokens and shipped their KV"),
+            "{}",
+            e.sentence
+        );
     }
 
     fn shifted(spans: Vec<Span>, ms: u64, tag: char) -> Vec<Span> {

@@ -5,8 +5,8 @@ use super::attempt::{instance, Attempt, Marks, Outcome};
 use super::judge::{device_time, knobs, Judgment};
 use super::timeline::Timeline;
 use super::{AttemptSummary, Cause, Evidence, Finding, Part};
-use crate::trace::Span;
-use pdmesh_core::vocab::{attr, kernel, pick_key, span};
+use crate::trace::{Event, Span};
+use pdmesh_core::vocab::{attr, event, kernel, pick_key, span};
 
 fn int(s: Option<&Span>, key: &str) -> i64 {
     s.and_then(|s| s.attr_f64(key)).map_or(0, |v| v as i64)
@@ -407,30 +407,90 @@ pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal
     out
 }
 
-/// " ... migrated N times ..." when a decode worker was lost or drained
-/// mid-stream and the router moved the request (`router.migrations` on its
-/// Generate span; `router.handovers` when a draining worker shipped the KV
-/// along, `router.handover_failed` when that shipment failed).
-pub fn migrations(spans: &[Span]) -> String {
+/// What went wrong, as the sentence's first clause (empty when nothing
+/// did): a router lost mid-stream (the gateway's `router failover` events),
+/// a decode worker lost or drained mid-stream (the router's `decode
+/// migration` events, or its `router.migrations` count in traces from
+/// before them); lost or drained as the lost call's status says, and
+/// where the request went on. `failed` is the time the timeline charges to
+/// failed calls (ms, share), named as the cost.
+pub fn mishaps(spans: &[Span], failed: (f64, f64)) -> String {
+    let mut said: Vec<String> = Vec::new();
+    let events = |name: &'static str| {
+        let mut v: Vec<&Event> = spans.iter().flat_map(|s| s.events.iter()).filter(|e| e.name == name).collect();
+        v.sort_by_key(|e| e.time_ns);
+        v
+    };
+    let a = |e: &Event, k: &str| e.attrs.get(k).map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string));
+    for e in events(event::ROUTER_FAILOVER) {
+        let (from, to) = (a(e, attr::FAILOVER_FROM).unwrap_or_default(), a(e, attr::FAILOVER_TO).unwrap_or_default());
+        let (after, why) = (a(e, attr::FAILOVER_AFTER_TOKENS).unwrap_or_default(), a(e, attr::FAILOVER_STATUS));
+        let why = why.map(|w| format!(" ({w})")).unwrap_or_default();
+        said.push(if to == "none" || to.is_empty() {
+            format!("Router {from} was lost after {after} tokens{why} and no other router took the request")
+        } else {
+            format!("Router {from} was lost after {after} tokens{why}; the gateway resumed the stream on {to}")
+        });
+    }
+    // Where each migration went: the decode worker of the `route` span after it.
+    let mut routes: Vec<&Span> = spans.iter().filter(|s| s.name == span::ROUTE).collect();
+    routes.sort_by_key(|s| s.start_ns);
+    let migrations = events(event::DECODE_MIGRATION);
+    for e in &migrations {
+        let from = a(e, attr::FAILOVER_FROM).unwrap_or_default();
+        let after = a(e, attr::FAILOVER_AFTER_TOKENS).unwrap_or_default();
+        let to = routes
+            .iter()
+            .find(|r| r.start_ns >= e.time_ns)
+            .and_then(|r| r.attr_str(&pick_key("decode", attr::PICK_INSTANCE)))
+            .map_or_else(|| "another decode worker".to_string(), str::to_string);
+        said.push(match a(e, attr::FAILOVER_STATUS).as_deref() {
+            Some("draining") => match spans.iter().find_map(|s| s.attr_str(attr::HANDOVER_FAILED)) {
+                Some(why) => format!("Decode worker {from} drained after {after} tokens; shipping their KV to {to} failed ({why}), so {to} replayed them"),
+                None => format!("Decode worker {from} drained after {after} tokens and shipped their KV to {to} (nothing replayed)"),
+            },
+            why => format!(
+                "Decode worker {from} was lost after {after} tokens{}; the request moved to {to} and replayed {after} tokens",
+                why.map(|w| format!(" ({w})")).unwrap_or_default()
+            ),
+        });
+    }
+    if migrations.is_empty() {
+        said.extend(counted_migrations(spans));
+    }
+    if said.is_empty() {
+        return String::new();
+    }
+    let cost = if failed.0 >= 1.0 {
+        format!(", costing {:.0} ms ({:.0}%)", failed.0, failed.1 * 100.0)
+    } else {
+        String::new()
+    };
+    format!("{}{cost}. Then ", said.join("; "))
+}
+
+/// A migration told by the router's counts alone (`router.migrations`,
+/// `router.handovers`, `router.handover_failed`): traces without the event.
+fn counted_migrations(spans: &[Span]) -> Option<String> {
     let moved = spans.iter().filter_map(|s| {
         let n = s.attr_f64(attr::MIGRATIONS)?;
         Some((n as u64, s.attr_f64(attr::MIGRATED_AFTER_TOKENS).unwrap_or(0.0) as u64))
     });
-    let Some((n, after)) = moved.max().filter(|(n, _)| *n > 0) else { return String::new() };
-    let times = format!("migrated {n} time{}", if n == 1 { "" } else { "s" });
+    let (n, after) = moved.max().filter(|(n, _)| *n > 0)?;
+    let times = format!("{n} time{}", if n == 1 { "" } else { "s" });
     let failed = spans.iter().find_map(|s| s.attr_str(attr::HANDOVER_FAILED));
     let shipped = spans.iter().any(|s| s.attr_f64(attr::HANDOVERS).is_some());
-    match (shipped, failed) {
+    Some(match (shipped, failed) {
         (_, Some(why)) => format!(
-            " Its decode worker drained mid-stream: {times} to another decode worker, the last after {after} tokens; shipping their KV failed ({why}), so they were replayed there."
+            "Its decode worker drained mid-stream: the request moved {times}, the last after {after} tokens; shipping their KV failed ({why}), so they were replayed"
         ),
         (true, None) => format!(
-            " Its decode worker drained mid-stream: {times} to another decode worker, the last after {after} tokens, whose KV the draining worker shipped along (nothing replayed)."
+            "Its decode worker drained mid-stream: the request moved {times}, the last after {after} tokens, whose KV was shipped along (nothing replayed)"
         ),
         (false, None) => format!(
-            " Its decode worker was lost or drained mid-stream: {times} to another decode worker, the last after {after} tokens, which were replayed there."
+            "Its decode worker was lost or drained mid-stream: the request moved {times}, the last after {after} tokens, which were replayed"
         ),
-    }
+    })
 }
 
 fn capitalise(s: &str) -> String {
