@@ -331,7 +331,13 @@ async fn explain_names_planted_causes_and_invents_none() {
     );
     let wait = ms(&e, "between attempts");
     assert!((500.0..1500.0).contains(&wait), "two waits of about 300 ms: {wait:.0}\n{}", e.table());
-    assert!(e.sentence.contains("1 refused") && e.sentence.contains("3 ok"), "{}", e.sentence);
+    // The refusals lead, counted, and which attempt went through.
+    assert!(
+        e.sentence.starts_with("2 calls refused (RESOURCE_EXHAUSTED")
+            && e.sentence.contains("attempt 3 of 3 went through"),
+        "{}",
+        e.sentence
+    );
     assert!(e.abnormal.is_empty() && ms(&e, "failed") == 0.0, "{}", e.table());
 
     // 7. The prefill worker killed under a request it holds.

@@ -188,17 +188,17 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
         .collect();
     let top = parts.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)).expect("causes are not empty");
     let summaries: Vec<AttemptSummary> = all.iter().map(|a| summary(a, t0)).collect();
-    let failed = parts.iter().find(|p| p.cause == Cause::Failed.label()).map_or((0.0, 0.0), |p| (p.ms, p.share));
-    let sentence = match words::mishaps(spans, failed) {
-        lead if lead.is_empty() => words::sentence(top, ms(total), &summaries, &abnormal),
+    let cost = |c: Cause| parts.iter().find(|p| p.cause == c.label()).map_or((0.0, 0.0), |p| (p.ms, p.share));
+    let sentence = match words::mishaps(spans, &all, cost(Cause::Failed), cost(Cause::Refused)) {
+        lead if lead.is_empty() => words::sentence(top, ms(total), &summaries, &abnormal, true),
         lead => {
-            // The lead told the failed calls; "then" goes on with the rest.
+            // The lead told the failed and refused calls; "then" goes on with the rest.
             let next = parts
                 .iter()
-                .filter(|p| p.cause != Cause::Failed.label())
+                .filter(|p| p.cause != Cause::Failed.label() && p.cause != Cause::Refused.label())
                 .max_by(|a, b| a.ms.total_cmp(&b.ms))
                 .unwrap_or(top);
-            lead + &lower_first(&words::sentence(next, ms(total), &summaries, &abnormal))
+            lead + &lower_first(&words::sentence(next, ms(total), &summaries, &abnormal, false))
         }
     };
     let mut services: Vec<String> = spans.iter().map(|s| s.service.clone()).collect();
@@ -526,7 +526,13 @@ mod tests {
             "{}",
             refused.detail
         );
-        assert!(e.sentence.contains("across 2 attempts") && e.sentence.contains("1 refused"), "{}", e.sentence);
+        assert!(
+            e.sentence.starts_with("1 call refused (RESOURCE_EXHAUSTED: no KV room")
+                && e.sentence.contains("attempt 2 of 2 went through")
+                && e.sentence.contains("across 2 attempts"),
+            "{}",
+            e.sentence
+        );
     }
 
     #[test]
@@ -598,7 +604,8 @@ mod tests {
         assert!((get(&e, "failed") - 850.0).abs() < 1e-6, "{}", e.table());
         assert_eq!(get(&e, "detokenize"), 0.0, "no decode loop ran, so no detokenize tail: {}", e.table());
         assert!(
-            e.sentence.contains("prefill-0 failed it: UNAVAILABLE") && e.sentence.contains("never arrived"),
+            e.sentence.starts_with("prefill-0 failed a Prefill call (UNAVAILABLE")
+                && e.sentence.contains("never arrived"),
             "{}",
             e.sentence
         );

@@ -1,7 +1,7 @@
 //! The words: one line per cause, each naming the spans and attributes it
 //! was read from, and the sentence that leads the report.
 
-use super::attempt::{instance, Attempt, Marks, Outcome};
+use super::attempt::{instance, Attempt, Fault, Marks, Outcome};
 use super::judge::{device_time, knobs, Judgment};
 use super::timeline::Timeline;
 use super::{AttemptSummary, Cause, Evidence, Finding, Part};
@@ -376,7 +376,15 @@ pub fn findings(all: &[Attempt], t: &Timeline) -> Vec<Finding> {
 
 /// The report's first sentence: the dominant cause and its evidence, then
 /// the attempts, then any abnormal steps it did not already name.
-pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal: &[Finding]) -> String {
+/// The sentence on `top`; `list_attempts`: end with how each attempt
+/// ended (not when a lead clause has counted them).
+pub fn sentence(
+    top: &Part,
+    total_ms: f64,
+    attempts: &[AttemptSummary],
+    abnormal: &[Finding],
+    list_attempts: bool,
+) -> String {
     let across = if attempts.len() > 1 { format!(" across {} attempts", attempts.len()) } else { String::new() };
     let mut out = format!(
         "{} took {:.0}% of the request ({:.0} of {:.0} ms{across}): {}.",
@@ -386,14 +394,21 @@ pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal
         total_ms,
         top.detail
     );
-    if attempts.len() > 1 {
-        let each: Vec<String> = attempts
+    if attempts.len() > 1 && list_attempts {
+        // Runs of attempts that ended the same way are told once ("1-6 refused (...)").
+        let mut runs: Vec<(usize, usize, &AttemptSummary)> = Vec::new();
+        for (i, a) in attempts.iter().enumerate() {
+            match runs.last_mut() {
+                Some((_, last, b)) if b.outcome == a.outcome && b.status == a.status => *last = i + 1,
+                _ => runs.push((i + 1, i + 1, a)),
+            }
+        }
+        let each: Vec<String> = runs
             .iter()
-            .enumerate()
-            .map(|(i, a)| {
+            .map(|(first, last, a)| {
+                let at = if first == last { first.to_string() } else { format!("{first}-{last}") };
                 format!(
-                    "{} {}{}",
-                    i + 1,
+                    "{at} {}{}",
                     a.outcome,
                     if a.status.is_empty() { String::new() } else { format!(" ({})", a.status) }
                 )
@@ -401,7 +416,8 @@ pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal
             .collect();
         out += &format!(" Attempts: {}.", each.join(", "));
     }
-    for f in abnormal.iter().filter(|f| !top.detail.contains(&f.words)) {
+    // Judgements against a known normal only; the rest are in the table.
+    for f in abnormal.iter().filter(|f| !top.detail.contains(&f.words) && !f.words.contains("no normal")) {
         out += &format!(" Abnormal {} on {}: {}.", f.cause, f.worker, f.words);
     }
     out
@@ -412,9 +428,10 @@ pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal
 /// a decode worker lost or drained mid-stream (the router's `decode
 /// migration` events, or its `router.migrations` count in traces from
 /// before them); lost or drained as the lost call's status says, and
-/// where the request went on. `failed` is the time the timeline charges to
-/// failed calls (ms, share), named as the cost.
-pub fn mishaps(spans: &[Span], failed: (f64, f64)) -> String {
+/// where the request went on; else failed calls (a worker that died under
+/// a call) and refusals, counted, not listed. `failed` and `refused` are
+/// the time the timeline charges to each (ms, share), named as the cost.
+pub fn mishaps(spans: &[Span], all: &[Attempt], failed: (f64, f64), refused: (f64, f64)) -> String {
     let mut said: Vec<String> = Vec::new();
     let events = |name: &'static str| {
         let mut v: Vec<&Event> = spans.iter().flat_map(|s| s.events.iter()).filter(|e| e.name == name).collect();
@@ -458,15 +475,49 @@ pub fn mishaps(spans: &[Span], failed: (f64, f64)) -> String {
     if migrations.is_empty() {
         said.extend(counted_migrations(spans));
     }
-    if said.is_empty() {
+    let cost = |(ms, share): (f64, f64)| {
+        if ms >= 1.0 {
+            format!(", costing {ms:.0} ms ({:.0}%)", share * 100.0)
+        } else {
+            String::new()
+        }
+    };
+    if !said.is_empty() {
+        return format!("{}{}. Then ", said.join("; "), cost(failed));
+    }
+    let faults: Vec<&Fault> = all.iter().flat_map(|a| a.faults.iter()).collect();
+    let mut lead = Vec::new();
+    if let Some(f) = faults.iter().find(|f| !f.refused) {
+        let call = f.call.name.rsplit('/').next().unwrap_or(&f.call.name);
+        let died = if f.worker_spans { "" } else { "; its spans never arrived: it died or was cut off" };
+        let n = faults.iter().filter(|f| !f.refused).count();
+        let more = if n > 1 { format!(" ({n} failed calls in all)") } else { String::new() };
+        lead.push(format!("{} failed a {call} call ({}{died}){more}{}", f.worker, f.status, cost(failed)));
+    }
+    // Refusals, counted per worker and status.
+    let mut counted: Vec<(&str, &str, usize)> = Vec::new();
+    for f in faults.iter().filter(|f| f.refused) {
+        match counted.iter_mut().find(|(w, st, _)| *w == f.worker && *st == f.status) {
+            Some(c) => c.2 += 1,
+            None => counted.push((&f.worker, &f.status, 1)),
+        }
+    }
+    for (worker, status, n) in &counted {
+        lead.push(format!(
+            "{n} call{} refused ({status} at {worker}){}",
+            if *n == 1 { "" } else { "s" },
+            cost(refused)
+        ));
+    }
+    if lead.is_empty() {
         return String::new();
     }
-    let cost = if failed.0 >= 1.0 {
-        format!(", costing {:.0} ms ({:.0}%)", failed.0, failed.1 * 100.0)
-    } else {
-        String::new()
+    let ran = match all.iter().rposition(|a| a.outcome == Outcome::Ok) {
+        Some(i) if all.len() > 1 => format!("; attempt {} of {} went through", i + 1, all.len()),
+        Some(_) => String::new(),
+        None => "; no attempt went through".to_string(),
     };
-    format!("{}{cost}. Then ", said.join("; "))
+    format!("{}{ran}. Then ", lead.join("; "))
 }
 
 /// A migration told by the router's counts alone (`router.migrations`,
