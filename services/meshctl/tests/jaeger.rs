@@ -318,6 +318,7 @@ async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
         eprintln!("{kind} killed: {said}");
         let lead = if kind == "router" { "Router" } else { "Decode worker" };
         assert!(said.starts_with(&format!("{lead} {killed} was lost after ")), "{said}");
+        assert!(said.len() <= 320, "a short sentence ({} characters): {said}", said.len());
         // The killed instance's replacement serves before the next case.
         let t0 = Instant::now();
         while mesh.registry().healthy(kind).await.unwrap().len() < 2 {

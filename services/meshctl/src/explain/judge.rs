@@ -90,6 +90,18 @@ impl Judgment {
         self.batch_mean.is_some_and(|b| b >= 2.0 && b > 1.5 * self.batch_usual.max(1.0))
     }
 
+    /// The verdict alone, for a short sentence: "within normal",
+    /// "2.3x decode-0's normal, CPU starved", or "not judged".
+    pub fn verdict(&self, worker: &str) -> String {
+        let starved = if self.starved() { ", CPU starved" } else { "" };
+        match self.factor() {
+            Some(_) if !self.abnormal() => "within normal".to_string(),
+            Some(f) => format!("{f:.1}x {worker}'s normal{starved}"),
+            None if self.abnormal() => format!("no normal known yet{starved}"),
+            None => "not judged".to_string(),
+        }
+    }
+
     /// One sentence on these steps, naming the attributes it reads.
     pub fn words(&self, worker: &str, span_name: &str) -> String {
         let mut out = match self.factor() {

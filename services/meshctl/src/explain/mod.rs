@@ -190,15 +190,17 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
     let summaries: Vec<AttemptSummary> = all.iter().map(|a| summary(a, t0)).collect();
     let cost = |c: Cause| parts.iter().find(|p| p.cause == c.label()).map_or((0.0, 0.0), |p| (p.ms, p.share));
     let sentence = match words::mishaps(spans, &all, cost(Cause::Failed), cost(Cause::Refused)) {
-        lead if lead.is_empty() => words::sentence(top, ms(total), &summaries, &abnormal, true),
+        lead if lead.is_empty() => words::sentence(top, ms(total), &summaries, &abnormal),
         lead => {
-            // The lead told the failed and refused calls; "then" goes on with the rest.
-            let next = parts
+            // The lead told the failed and refused calls; "then" names the
+            // largest of the rest and its verdict, in short.
+            let (cause, next) = Cause::ALL
                 .iter()
-                .filter(|p| p.cause != Cause::Failed.label() && p.cause != Cause::Refused.label())
-                .max_by(|a, b| a.ms.total_cmp(&b.ms))
-                .unwrap_or(top);
-            lead + &lower_first(&words::sentence(next, ms(total), &summaries, &abnormal, false))
+                .zip(&parts)
+                .filter(|(c, _)| !matches!(c, Cause::Failed | Cause::Refused))
+                .max_by(|a, b| a.1.ms.total_cmp(&b.1.ms))
+                .expect("causes are not empty");
+            lead + &lower_first(&words::then_clause(*cause, next, ms(total), &all, &t))
         }
     };
     let mut services: Vec<String> = spans.iter().map(|s| s.service.clone()).collect();
@@ -528,8 +530,7 @@ mod tests {
         );
         assert!(
             e.sentence.starts_with("1 call refused (RESOURCE_EXHAUSTED: no KV room")
-                && e.sentence.contains("attempt 2 of 2 went through")
-                && e.sentence.contains("across 2 attempts"),
+                && e.sentence.contains("attempt 2 of 2 went through"),
             "{}",
             e.sentence
         );

@@ -174,7 +174,20 @@ fn late_pickup(call: Option<&Span>, server: Option<&Span>) -> Option<f64> {
 /// A stage's line, from the attempt's marks.
 fn stage(cause: Cause, m: &Marks, spans: &[&Span]) -> (String, Vec<Evidence>) {
     match cause {
-        Cause::Gateway => (format!("gateway {} (request span)", instance(m.gateway)), evidence(&[m.gateway])),
+        Cause::Gateway => {
+            let mut line = format!("gateway {} (request span)", instance(m.gateway));
+            // The evidence: how far the gateway's span reaches past the
+            // router's on either side, and how much of that the client owns.
+            if let (Some(g), Some(r)) = (m.gateway, m.router) {
+                let (before, after) = (ms(r.start_ns.saturating_sub(g.start_ns)), ms(g.end_ns.saturating_sub(r.end_ns)));
+                let client = g.attr_f64(attr::CLIENT_TAIL_MS).unwrap_or(0.0);
+                line += &format!(
+                    ": it began {before:.0} ms before the router's Generate span and outlived it by {after:.0} ms, \
+                     {client:.0} ms of that with data waiting on the client"
+                );
+            }
+            (line, evidence(&[m.gateway, m.router]))
+        }
         Cause::Router => {
             let picked = route(spans);
             let sep = if picked.is_empty() { "" } else { "; " };
@@ -376,15 +389,7 @@ pub fn findings(all: &[Attempt], t: &Timeline) -> Vec<Finding> {
 
 /// The report's first sentence: the dominant cause and its evidence, then
 /// the attempts, then any abnormal steps it did not already name.
-/// The sentence on `top`; `list_attempts`: end with how each attempt
-/// ended (not when a lead clause has counted them).
-pub fn sentence(
-    top: &Part,
-    total_ms: f64,
-    attempts: &[AttemptSummary],
-    abnormal: &[Finding],
-    list_attempts: bool,
-) -> String {
+pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal: &[Finding]) -> String {
     let across = if attempts.len() > 1 { format!(" across {} attempts", attempts.len()) } else { String::new() };
     let mut out = format!(
         "{} took {:.0}% of the request ({:.0} of {:.0} ms{across}): {}.",
@@ -394,7 +399,7 @@ pub fn sentence(
         total_ms,
         top.detail
     );
-    if attempts.len() > 1 && list_attempts {
+    if attempts.len() > 1 {
         // Runs of attempts that ended the same way are told once ("1-6 refused (...)").
         let mut runs: Vec<(usize, usize, &AttemptSummary)> = Vec::new();
         for (i, a) in attempts.iter().enumerate() {
@@ -518,6 +523,21 @@ pub fn mishaps(spans: &[Span], all: &[Attempt], failed: (f64, f64), refused: (f6
         None => "; no attempt went through".to_string(),
     };
     format!("{}{ran}. Then ", lead.join("; "))
+}
+
+/// The short sentence after a lead clause: the largest other cause, its
+/// share, and its verdict where its steps were judged (the table has the
+/// evidence).
+pub fn then_clause(cause: Cause, part: &Part, total_ms: f64, all: &[Attempt], t: &Timeline) -> String {
+    let per = per_attempt(cause, all, t);
+    let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
+    let verdict = judged(cause, &all[i]).map(|(j, worker, _)| format!(", {}", j.verdict(&worker))).unwrap_or_default();
+    format!(
+        "{} took {:.0}% of the request ({:.0} of {total_ms:.0} ms){verdict}.",
+        capitalise(part.cause),
+        part.share * 100.0,
+        part.ms
+    )
 }
 
 /// A migration told by the router's counts alone (`router.migrations`,
