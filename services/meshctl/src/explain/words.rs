@@ -172,22 +172,25 @@ fn late_pickup(call: Option<&Span>, server: Option<&Span>) -> Option<f64> {
 }
 
 /// A stage's line, from the attempt's marks.
+/// The gateway's line, with its evidence: how far its request span
+/// reaches past the router's on either side, and how much of that the
+/// client owns (data waiting for it to read).
+fn gateway_line(m: &Marks) -> (String, Vec<Evidence>) {
+    let mut line = format!("gateway {} (request span)", instance(m.gateway));
+    if let (Some(g), Some(r)) = (m.gateway, m.router) {
+        let (before, after) = (ms(r.start_ns.saturating_sub(g.start_ns)), ms(g.end_ns.saturating_sub(r.end_ns)));
+        let client = g.attr_f64(attr::CLIENT_TAIL_MS).unwrap_or(0.0);
+        line += &format!(
+            ": it began {before:.0} ms before the router's Generate span and outlived it by {after:.0} ms, \
+             {client:.0} ms of that with data waiting on the client"
+        );
+    }
+    (line, evidence(&[m.gateway, m.router]))
+}
+
 fn stage(cause: Cause, m: &Marks, spans: &[&Span]) -> (String, Vec<Evidence>) {
     match cause {
-        Cause::Gateway => {
-            let mut line = format!("gateway {} (request span)", instance(m.gateway));
-            // The evidence: how far the gateway's span reaches past the
-            // router's on either side, and how much of that the client owns.
-            if let (Some(g), Some(r)) = (m.gateway, m.router) {
-                let (before, after) = (ms(r.start_ns.saturating_sub(g.start_ns)), ms(g.end_ns.saturating_sub(r.end_ns)));
-                let client = g.attr_f64(attr::CLIENT_TAIL_MS).unwrap_or(0.0);
-                line += &format!(
-                    ": it began {before:.0} ms before the router's Generate span and outlived it by {after:.0} ms, \
-                     {client:.0} ms of that with data waiting on the client"
-                );
-            }
-            (line, evidence(&[m.gateway, m.router]))
-        }
+        Cause::Gateway => gateway_line(m),
         Cause::Router => {
             let picked = route(spans);
             let sep = if picked.is_empty() { "" } else { "; " };
