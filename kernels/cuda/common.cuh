@@ -221,16 +221,15 @@ __device__ __forceinline__ float kq_mul(const block_q5_0& b, int) { return h2f(b
 __device__ __forceinline__ float kq_mul(const block_q5_1& b, int) { return h2f(b.d); }
 __device__ __forceinline__ float kq_mul(const block_q2_K& b, int g) { return __fmul_rn(h2f(b.d), (float)(b.scales[g] & 0x0F)); }
 __device__ __forceinline__ float kq_mul(const block_q3_K& b, int g) { return __fmul_rn(h2f(b.d), (float)(q3k_scale(b.scales, g) - 32)); }
-__device__ __forceinline__ float kq_mul(const block_q4_K& b, int g) {
+// Q4_K and Q5_K: d * scale, or dmin * min, of sub-block g / 2.
+template <class B>
+__device__ __forceinline__ float k4_factor(const B& b, int g, bool min) {
   int sc, m;
   scale_min_k4(g / 2, b.scales, &sc, &m);
-  return __fmul_rn(h2f(b.d), (float)sc);
+  return min ? __fmul_rn(h2f(b.dmin), (float)m) : __fmul_rn(h2f(b.d), (float)sc);
 }
-__device__ __forceinline__ float kq_mul(const block_q5_K& b, int g) {
-  int sc, m;
-  scale_min_k4(g / 2, b.scales, &sc, &m);
-  return __fmul_rn(h2f(b.d), (float)sc);
-}
+__device__ __forceinline__ float kq_mul(const block_q4_K& b, int g) { return k4_factor(b, g, false); }
+__device__ __forceinline__ float kq_mul(const block_q5_K& b, int g) { return k4_factor(b, g, false); }
 __device__ __forceinline__ float kq_mul(const block_q6_K& b, int g) { return __fmul_rn(h2f(b.d), (float)b.scales[g]); }
 
 __device__ __forceinline__ float kq_min(const block_q5_0&, int) { return 0.0f; }
@@ -238,16 +237,8 @@ __device__ __forceinline__ float kq_min(const block_q5_0&, int) { return 0.0f; }
 __device__ __forceinline__ float kq_min(const block_q5_1& b, int) { return -h2f(b.m); }
 __device__ __forceinline__ float kq_min(const block_q2_K& b, int g) { return __fmul_rn(h2f(b.dmin), (float)(b.scales[g] >> 4)); }
 __device__ __forceinline__ float kq_min(const block_q3_K&, int) { return 0.0f; }
-__device__ __forceinline__ float kq_min(const block_q4_K& b, int g) {
-  int sc, m;
-  scale_min_k4(g / 2, b.scales, &sc, &m);
-  return __fmul_rn(h2f(b.dmin), (float)m);
-}
-__device__ __forceinline__ float kq_min(const block_q5_K& b, int g) {
-  int sc, m;
-  scale_min_k4(g / 2, b.scales, &sc, &m);
-  return __fmul_rn(h2f(b.dmin), (float)m);
-}
+__device__ __forceinline__ float kq_min(const block_q4_K& b, int g) { return k4_factor(b, g, true); }
+__device__ __forceinline__ float kq_min(const block_q5_K& b, int g) { return k4_factor(b, g, true); }
 __device__ __forceinline__ float kq_min(const block_q6_K&, int) { return 0.0f; }
 
 template <class B> struct kq_traits;

@@ -29,6 +29,17 @@ fn jaeger_bin() -> Option<PathBuf> {
     common::cached_tool("PDMESH_JAEGER_BIN", "jaeger", "v1.75.0")
 }
 
+/// The Jaeger binary, or the test skipped (a failure where CI requires Jaeger).
+fn jaeger_or_skip(test: &str) -> Option<PathBuf> {
+    let bin = jaeger_bin();
+    if bin.is_none() {
+        let why = "no Jaeger binary (run scripts/gotool.sh jaeger, or set PDMESH_JAEGER_BIN)";
+        assert!(std::env::var_os("PDMESH_REQUIRE_JAEGER").is_none(), "{why}");
+        pdmesh_testkit::skip(test, why);
+    }
+    bin
+}
+
 fn free_addr() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string()
 }
@@ -88,12 +99,7 @@ fn request(gateway: &str, max_tokens: u32) -> (String, Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_real_jaeger_holds_whole_traces_that_explain_and_search_read() {
-    let Some(bin) = jaeger_bin() else {
-        let why = "no Jaeger binary (run scripts/gotool.sh jaeger, or set PDMESH_JAEGER_BIN)";
-        assert!(std::env::var_os("PDMESH_REQUIRE_JAEGER").is_none(), "{why}");
-        pdmesh_testkit::skip("the_real_jaeger_holds_whole_traces_that_explain_and_search_read", why);
-        return;
-    };
+    let Some(bin) = jaeger_or_skip("the_real_jaeger_holds_whole_traces_that_explain_and_search_read") else { return };
     let dir = std::env::temp_dir().join(format!("pdmesh-jaeger-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let sink = Sink::start("127.0.0.1:0".parse().unwrap(), None).await.unwrap();
@@ -237,13 +243,7 @@ fn instances(spans: &[Span], service: &str) -> HashSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
     use pdmesh_core::vocab::{attr, event};
-    let test = "a_request_stays_one_trace_when_its_router_or_decode_worker_dies";
-    let Some(bin) = jaeger_bin() else {
-        let why = "no Jaeger binary (run scripts/gotool.sh jaeger, or set PDMESH_JAEGER_BIN)";
-        assert!(std::env::var_os("PDMESH_REQUIRE_JAEGER").is_none(), "{why}");
-        pdmesh_testkit::skip(test, why);
-        return;
-    };
+    let Some(bin) = jaeger_or_skip("a_request_stays_one_trace_when_its_router_or_decode_worker_dies") else { return };
     let ui = free_addr();
     let mesh = Mesh::up(&[
         "--jaeger",
