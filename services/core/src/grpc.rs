@@ -22,6 +22,11 @@ pub fn peer_lost(e: &tonic::Status) -> bool {
     is_transport(e) || e.code() == tonic::Code::Unavailable && !timed_out(e)
 }
 
+/// A status in words for spans, logs and messages: "Unavailable: <its message>".
+pub fn status_text(e: &tonic::Status) -> String {
+    format!("{:?}: {}", e.code(), e.message())
+}
+
 /// Whether the call ended because its own timeout (set from the request's
 /// deadline) expired.
 pub fn timed_out(e: &tonic::Status) -> bool {

@@ -107,7 +107,7 @@ impl Upstream {
         // All max_tokens may be here already (the router was lost before
         // the finish): the next router then sends just the finish and usage.
         request.resume_ids = self.sent.clone();
-        let why = format!("{:?}: {}", lost.code(), lost.message());
+        let why = pdmesh_core::grpc::status_text(&lost);
         let opened = call(&self.routers, &request, self.until).instrument(self.parent.clone()).await;
         let (stream, first, rpc, router) = match opened {
             Ok(o) => o,

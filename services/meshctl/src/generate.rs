@@ -61,7 +61,7 @@ pub async fn run(a: Args) -> Result<(), String> {
     let mut s = pb::router_client::RouterClient::new(ch)
         .generate(req)
         .await
-        .map_err(|e| format!("{:?}: {}", e.code(), e.message()))?
+        .map_err(|e| pdmesh_core::grpc::status_text(&e))?
         .into_inner();
     let mut out = std::io::stdout();
     loop {
@@ -82,7 +82,7 @@ pub async fn run(a: Args) -> Result<(), String> {
             }
             Ok(Some(_)) => {}
             Ok(None) => return Err("the router ended the stream without finishing".into()),
-            Err(e) => return Err(format!("{:?}: {}", e.code(), e.message())),
+            Err(e) => return Err(pdmesh_core::grpc::status_text(&e)),
         }
     }
 }

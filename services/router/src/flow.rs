@@ -195,7 +195,7 @@ impl Router {
                 return Ok(());
             }
             Failed::Migrate(e) => {
-                let why = format!("{:?}: {}", e.code(), e.message());
+                let why = pdmesh_core::grpc::status_text(&e);
                 return if self.migrate(t, decode, ticket, (sent, &why)).await { Ok(()) } else { Err(e) };
             }
             Failed::HandingOver(h) => {
