@@ -104,6 +104,8 @@ fn check_honest(e: &Explanation, c: &Client, what: &str) {
         "{what}: explain accounts for {:.0} of the client's {wall:.0} ms",
         e.total_ms
     );
+    // The sentence is read at 3 a.m.: one short line, the table has the rest.
+    assert!(e.sentence.len() <= 320, "{what}: the sentence runs to {} characters: {}", e.sentence.len(), e.sentence);
     let sum: f64 = e.parts.iter().map(|p| p.ms).sum();
     assert!((sum - e.total_ms).abs() < 0.5, "{what}: parts add up to {sum}, not {}", e.total_ms);
     for p in e.parts.iter().filter(|p| p.ms > 1.0 && p.cause != "between attempts") {

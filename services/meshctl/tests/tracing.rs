@@ -138,6 +138,7 @@ fn gateway_ms(spans: &[Span]) -> f64 {
 fn check_attribution(e: &Explanation, cause: &str, expected: f64, what: &str) {
     eprintln!("{what}:\n{}", e.table());
     assert_eq!(e.dominant, cause, "{what}: dominant cause\n{}", e.table());
+    assert!(e.sentence.len() <= 320, "{what}: the sentence runs to {} characters: {}", e.sentence.len(), e.sentence);
     let got = share(e, cause);
     assert!(
         (got - expected).abs() <= 0.10 * expected,

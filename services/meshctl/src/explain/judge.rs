@@ -102,6 +102,21 @@ impl Judgment {
         }
     }
 
+    /// The verdict and, when abnormal, why in a few words: "178.8x
+    /// prefill-0's normal, CPU starved (waited for a CPU 95% of its
+    /// runnable time)".
+    pub fn brief(&self, worker: &str) -> String {
+        let mut out = self.verdict(worker);
+        if self.starved() {
+            out += &format!(" (waited for a CPU {:.0}% of its runnable time)", 100.0 * self.wait_share());
+        } else if self.abnormal() && self.with_prefill > 0 {
+            out += &format!(" ({} steps also fed local prefill)", self.with_prefill);
+        } else if self.abnormal() && self.bigger_batch() {
+            out += &format!(" (batch mean {:.1}, usually {:.1})", self.batch_mean.unwrap_or(0.0), self.batch_usual);
+        }
+        out
+    }
+
     /// One sentence on these steps, naming the attributes it reads.
     pub fn words(&self, worker: &str, span_name: &str) -> String {
         let mut out = match self.factor() {

@@ -186,11 +186,12 @@ pub fn explain(spans: &[Span]) -> Result<Explanation, String> {
             Part { cause: c.label(), ms: ms(ns), share: ns as f64 / total as f64, detail, evidence }
         })
         .collect();
-    let top = parts.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)).expect("causes are not empty");
+    let (top_cause, top) =
+        Cause::ALL.iter().zip(&parts).max_by(|a, b| a.1.ms.total_cmp(&b.1.ms)).expect("causes are not empty");
     let summaries: Vec<AttemptSummary> = all.iter().map(|a| summary(a, t0)).collect();
     let cost = |c: Cause| parts.iter().find(|p| p.cause == c.label()).map_or((0.0, 0.0), |p| (p.ms, p.share));
     let sentence = match words::mishaps(spans, &all, cost(Cause::Failed), cost(Cause::Refused)) {
-        lead if lead.is_empty() => words::sentence(top, ms(total), &summaries, &abnormal),
+        lead if lead.is_empty() => words::sentence(top, &words::brief(*top_cause, &all, &t), ms(total), &summaries),
         lead => {
             // The lead told the failed and refused calls; "then" names the
             // largest of the rest and its verdict, in short.

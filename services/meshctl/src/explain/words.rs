@@ -162,6 +162,8 @@ fn short(id: &str) -> &str {
 
 /// What a late server span does and does not show.
 const NOT_TAKEN_UP: &str = "the time passed before the worker took the call up (the trace cannot tell whether it was stopped, starved of CPU or still starting; its process's scheduler records would)";
+/// The same, in the sentence.
+const NOT_TAKEN_UP_BRIEF: &str = "not taken up (stopped, starved of CPU or still starting)";
 
 /// How long after a call the worker's server span began (a worker stopped,
 /// or not serving its socket, takes calls up late).
@@ -390,17 +392,34 @@ pub fn findings(all: &[Attempt], t: &Timeline) -> Vec<Finding> {
     out
 }
 
-/// The report's first sentence: the dominant cause and its evidence, then
-/// the attempts, then any abnormal steps it did not already name.
-pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal: &[Finding]) -> String {
+/// The dominant cause's line in short, for the sentence: its evidence in
+/// one clause (the spans it is read from), and its steps' verdict with the
+/// reason in a few words, not the attributes (the table has those).
+pub fn brief(cause: Cause, all: &[Attempt], t: &Timeline) -> String {
+    if matches!(cause, Cause::Refused | Cause::Failed | Cause::BetweenAttempts) {
+        return detail(cause, all, t).0;
+    }
+    let per = per_attempt(cause, all, t);
+    let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
+    let a = &all[i];
+    let mut line = stage(cause, &a.marks, &a.spans).0.replace(NOT_TAKEN_UP, NOT_TAKEN_UP_BRIEF);
+    if let Some((j, worker, _)) = judged(cause, a) {
+        line += &format!("; {}", j.brief(&worker));
+    }
+    line
+}
+
+/// The report's first sentence when nothing went wrong: the dominant cause
+/// in short ([`brief`]), then how the attempts ended. Secondary
+/// abnormalities are in the table and the JSON, not here.
+pub fn sentence(top: &Part, brief: &str, total_ms: f64, attempts: &[AttemptSummary]) -> String {
     let across = if attempts.len() > 1 { format!(" across {} attempts", attempts.len()) } else { String::new() };
     let mut out = format!(
-        "{} took {:.0}% of the request ({:.0} of {:.0} ms{across}): {}.",
+        "{} took {:.0}% of the request ({:.0} of {:.0} ms{across}): {brief}.",
         capitalise(top.cause),
         top.share * 100.0,
         top.ms,
         total_ms,
-        top.detail
     );
     if attempts.len() > 1 {
         // Runs of attempts that ended the same way are told once ("1-6 refused (...)").
@@ -423,10 +442,6 @@ pub fn sentence(top: &Part, total_ms: f64, attempts: &[AttemptSummary], abnormal
             })
             .collect();
         out += &format!(" Attempts: {}.", each.join(", "));
-    }
-    // Judgements against a known normal only; the rest are in the table.
-    for f in abnormal.iter().filter(|f| !top.detail.contains(&f.words) && !f.words.contains("no normal")) {
-        out += &format!(" Abnormal {} on {}: {}.", f.cause, f.worker, f.words);
     }
     out
 }
