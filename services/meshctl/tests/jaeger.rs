@@ -232,6 +232,29 @@ fn instances(spans: &[Span], service: &str) -> HashSet<String> {
         .collect()
 }
 
+/// Trace `tid` from Jaeger, once the gateway's root, a router server span
+/// and two instances of `kind` are in, and `also` holds.
+fn trace_with_both(ui: &str, tid: &str, kind: &str, also: impl Fn(&[Span]) -> bool) -> Vec<Span> {
+    let service = format!("pdmesh-{kind}");
+    let t0 = Instant::now();
+    loop {
+        let (code, doc) = jaeger_get(ui, &format!("/api/traces/{tid}"));
+        let spans = if code == 200 { from_jaeger(&doc).unwrap_or_default() } else { Vec::new() };
+        let root_in = spans.iter().any(|s| s.service == "pdmesh-gateway" && s.kind == "server");
+        let router_in = kind == "router" || spans.iter().any(|s| s.service == "pdmesh-router" && s.kind == "server");
+        if root_in && router_in && instances(&spans, &service).len() >= 2 && also(&spans) {
+            return spans;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{kind}: trace {tid} never held both {service} instances: {:?}; roots {:#?}",
+            instances(&spans, &service),
+            roots(&spans)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
 /// One trace per request through a failover (issue 41): a router killed
 /// mid-stream (two routers: the gateway resumes the stream on the other)
 /// and a decode worker killed mid-stream (two: the router migrates the
@@ -239,7 +262,8 @@ fn instances(spans: &[Span], service: &str) -> HashSet<String> {
 /// root, spans from both routers (or both decode workers), and says what
 /// happened: the gateway's `router failover` event (which router was lost,
 /// after how many tokens, where the request went on), or the router's
-/// migration count.
+/// `decode migration` event. Last, a decode worker drained mid-stream: the
+/// hand-over call that ships the KV is in the request's trace too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
     use pdmesh_core::vocab::{attr, event};
@@ -259,36 +283,35 @@ async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
         "2",
         "--threads",
         "1",
+        "--drain-notice-ms",
+        "300",
     ]);
-    for kind in ["router", "decode"] {
+    // Last, a drain: the decode worker hands the stream over with its KV
+    // (and is not replaced).
+    for case in ["router", "decode", "drain"] {
+        let kind = if case == "drain" { "decode" } else { case };
         let service = format!("pdmesh-{kind}");
-        let (mut s, mut got, tid) = tokio::task::block_in_place(|| open_stream(&mesh.gateway, 48, 8));
+        let tokens = if case == "drain" { 128 } else { 48 };
+        let (mut s, mut got, tid) = tokio::task::block_in_place(|| open_stream(&mesh.gateway, tokens, 8));
         let (killed, pid) = busy(&mesh, kind).await;
-        signal(pid, libc::SIGKILL);
+        if case == "drain" {
+            let registry = mesh.dir.join("registry").display().to_string();
+            tokio::task::block_in_place(|| meshctl_ok(&["drain", &killed], &["--registry-dir", &registry]));
+        } else {
+            signal(pid, libc::SIGKILL);
+        }
         tokio::task::block_in_place(|| {
             use std::io::Read;
             s.read_to_string(&mut got).unwrap();
         });
         assert!(got.contains("data: [DONE]") && !got.contains("\"error\""), "{kind}: the stream went on: {got}");
-        // The trace, once both instances and the gateway's root are in.
-        let t0 = Instant::now();
-        let spans = loop {
-            let (code, doc) = jaeger_get(&ui, &format!("/api/traces/{tid}"));
-            let spans = if code == 200 { from_jaeger(&doc).unwrap_or_default() } else { Vec::new() };
-            let root_in = spans.iter().any(|s| s.service == "pdmesh-gateway" && s.kind == "server");
-            let router_in =
-                kind == "router" || spans.iter().any(|s| s.service == "pdmesh-router" && s.kind == "server");
-            if root_in && router_in && instances(&spans, &service).len() >= 2 {
-                break spans;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "{kind}: trace {tid} never held both {service} instances: {:?}; roots {:#?}",
-                instances(&spans, &service),
-                roots(&spans)
-            );
-            std::thread::sleep(Duration::from_millis(300));
+        // A drain's trace holds its hand-over call, both sides.
+        let hand_over = |spans: &[Span]| {
+            let side =
+                |k: &str| spans.iter().any(|s| s.name == pdmesh_core::vocab::rpc::DECODE_HAND_OVER && s.kind == k);
+            case != "drain" || (side("client") && side("server"))
         };
+        let spans = tokio::task::block_in_place(|| trace_with_both(&ui, &tid, kind, hand_over));
         // One root, the gateway's. A span whose parent never arrived is the
         // killed process's (it died before exporting the parent), or a
         // server span it had called (its client span died with it).
@@ -312,13 +335,24 @@ async fn a_request_stays_one_trace_when_its_router_or_decode_worker_dies() {
         } else {
             let router = spans.iter().find(|s| s.service == "pdmesh-router" && s.kind == "server").unwrap();
             assert!(router.attr_f64(attr::MIGRATIONS).unwrap_or(0.0) >= 1.0, "the router counts the migration");
+            let e = router.events.iter().find(|e| e.name == event::DECODE_MIGRATION).expect("a migration event");
+            let from = e.attrs.get(attr::FAILOVER_FROM).map(|v| v.to_string().trim_matches('"').to_string());
+            assert_eq!(from.as_deref(), Some(killed.as_str()), "{e:?}");
         }
         // explain's first clause says what went wrong.
         let said = explain(&spans).unwrap().sentence;
-        eprintln!("{kind} killed: {said}");
-        let lead = if kind == "router" { "Router" } else { "Decode worker" };
-        assert!(said.starts_with(&format!("{lead} {killed} was lost after ")), "{said}");
+        eprintln!("{case}: {said}");
+        let lead = match case {
+            "router" => format!("Router {killed} was lost after "),
+            "decode" => format!("Decode worker {killed} was lost after "),
+            _ => format!("Decode worker {killed} drained after "),
+        };
+        assert!(said.starts_with(&lead), "{said}");
         assert!(said.len() <= 320, "a short sentence ({} characters): {said}", said.len());
+        if case == "drain" {
+            assert!(said.contains("shipped their KV"), "{said}");
+            break;
+        }
         // The killed instance's replacement serves before the next case.
         let t0 = Instant::now();
         while mesh.registry().healthy(kind).await.unwrap().len() < 2 {

@@ -159,8 +159,8 @@ impl Router {
                 self.metrics.handovers.fetch_add(1, Ordering::Relaxed);
                 tracing::Span::current().set_attribute(attr::HANDOVERS, i64::from(tries.migrations));
             }
-            let addrs = (dispatched.prefill_addr.clone(), dispatched.decode_addr.clone());
             workers = dispatched.pair.workers.clone();
+            let addrs = (dispatched.prefill_addr.clone(), (dispatched.decode_addr.clone(), workers[1].clone()));
             let sent = out.generated.len();
             let failed = match self.relay(dispatched, &mut out, tx).await {
                 Ok(()) => return Ok(()),
@@ -178,7 +178,7 @@ impl Router {
         &self,
         failed: Failed,
         handover_failed: bool,
-        (prefill, decode): (Option<String>, String),
+        (prefill, (decode, decode_id)): (Option<String>, (String, String)),
         t: &mut Tries,
         ticket: &Mutex<String>,
         sent: usize,
@@ -196,10 +196,10 @@ impl Router {
             }
             Failed::Migrate(e) => {
                 let why = pdmesh_core::grpc::status_text(&e);
-                return if self.migrate(t, decode, ticket, (sent, &why)).await { Ok(()) } else { Err(e) };
+                return if self.migrate(t, (decode, decode_id), ticket, (sent, &why)).await { Ok(()) } else { Err(e) };
             }
             Failed::HandingOver(h) => {
-                if !self.migrate(t, decode, ticket, (sent, "draining")).await {
+                if !self.migrate(t, (decode, decode_id), ticket, (sent, "draining")).await {
                     return Err(Error::DecodeDraining.into());
                 }
                 t.handover = Some(*h);
@@ -241,18 +241,24 @@ impl Router {
         Ok(())
     }
 
-    /// Move the request off decode worker `decode` (a migration), unless it
-    /// has moved `--max-migrations` times already (false).
+    /// Move the request off decode worker `decode` (its address and id: a
+    /// draining worker has left discovery by now), unless it has moved
+    /// `--max-migrations` times already (false).
     /// `how`: the tokens sent by then, and how the worker's call ended
     /// (its status, or `draining`).
-    async fn migrate(&self, t: &mut Tries, decode: String, ticket: &Mutex<String>, how: (usize, &str)) -> bool {
+    async fn migrate(
+        &self,
+        t: &mut Tries,
+        (decode, name): (String, String),
+        ticket: &Mutex<String>,
+        how: (usize, &str),
+    ) -> bool {
         if t.migrations >= self.max_migrations {
             return false;
         }
         t.migrations += 1;
         self.migrated(ticket, t.migrations, how.0).await;
         // The request's span says which worker, after how many tokens and how.
-        let name = self.decode.instances().into_iter().find(|i| i.grpc_addr == decode).map_or(decode.clone(), |i| i.id);
         tracing::Span::current().add_event(
             event::DECODE_MIGRATION,
             vec![
