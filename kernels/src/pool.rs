@@ -6,6 +6,11 @@
 //! the work. Workers here spin briefly on an epoch counter after each loop
 //! and only then park on a condition variable, so back-to-back loops within
 //! one forward pass never sleep, and an idle process does not burn CPU.
+//!
+//! Replicas that share a host divide its cores: [`PoolShare::set`] lowers
+//! (or raises, up to the threads started) how many threads a loop runs
+//! on. The threads left out park until the share grows again: they
+//! neither spin nor wake for loops, so another process gets their cores.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -25,9 +30,17 @@ fn spin_iters() -> u32 {
 
 type Job<'a> = &'a (dyn Fn(usize) + Sync);
 
+/// Low bits of the epoch word that hold a loop's thread count.
+const PARTICIPANT_BITS: u32 = 8;
+const PARTICIPANT_MASK: u64 = (1 << PARTICIPANT_BITS) - 1;
+
 struct Shared {
-    /// The current job, valid while `epoch` is odd-numbered work is pending.
+    /// The current job, valid until the loop's `busy` count drops to zero.
     job: Mutex<Option<Job<'static>>>,
+    /// The loop count in the high bits, and the threads the current loop
+    /// runs on in the low [`PARTICIPANT_BITS`]: one word, so a worker reads
+    /// a loop and whether it is in it together (it never joins a loop that
+    /// began before it looked, and ended without it).
     epoch: AtomicU64,
     next: AtomicUsize,
     n_tasks: AtomicUsize,
@@ -42,6 +55,10 @@ struct Shared {
     sleepers: AtomicUsize,
     /// Each worker's kernel thread id, once it has started (Linux only).
     os_ids: Mutex<Vec<u32>>,
+    /// Threads a loop may run on now, the caller included (1..=threads).
+    active: AtomicUsize,
+    /// Workers left out of the share wait here for it to grow.
+    resize: Condvar,
 }
 
 /// Fork-join pool: `run(n, f)` calls `f(0..n)` on the caller and the workers.
@@ -59,6 +76,7 @@ impl Pool {
     pub fn new(threads: usize) -> Pool {
         let threads =
             if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        let threads = threads.min(PARTICIPANT_MASK as usize);
         let shared = Arc::new(Shared {
             job: Mutex::new(None),
             epoch: AtomicU64::new(0),
@@ -71,6 +89,8 @@ impl Pool {
             wake: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             os_ids: Mutex::new(Vec::new()),
+            active: AtomicUsize::new(threads),
+            resize: Condvar::new(),
         });
         let workers = (1..threads)
             .map(|i| {
@@ -81,7 +101,7 @@ impl Pool {
                         if let Some(id) = os_thread_id() {
                             shared.os_ids.lock().unwrap_or_else(|e| e.into_inner()).push(id);
                         }
-                        worker_loop(&shared)
+                        worker_loop(&shared, i)
                     })
                     .expect("spawning a kernel worker thread")
             })
@@ -89,9 +109,15 @@ impl Pool {
         Pool { shared, workers, run_lock: Mutex::new(()) }
     }
 
-    /// Number of threads a loop runs on (caller included).
+    /// Number of threads a loop runs on now (caller included): the share.
     pub fn threads(&self) -> usize {
-        self.workers.len() + 1
+        self.shared.active.load(Ordering::Relaxed).clamp(1, self.workers.len() + 1)
+    }
+
+    /// A handle that sets how many of the pool's threads a loop runs on,
+    /// from any thread (an admin endpoint, while loops run).
+    pub fn share(&self) -> PoolShare {
+        PoolShare { shared: self.shared.clone(), started: self.workers.len() + 1 }
     }
 
     /// The kernel's ids of the worker threads that have started (not the
@@ -107,7 +133,8 @@ impl Pool {
         if n_tasks == 0 {
             return;
         }
-        if n_tasks == 1 || self.workers.is_empty() {
+        let participants = self.threads();
+        if n_tasks == 1 || participants == 1 {
             (0..n_tasks).for_each(f);
             return;
         }
@@ -121,14 +148,22 @@ impl Pool {
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(job);
         s.next.store(0, Ordering::Relaxed);
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
-        s.busy.store(self.workers.len(), Ordering::Relaxed);
+        s.busy.store(participants - 1, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
         // SeqCst pairs with the worker's `sleepers` increment and epoch
         // re-check: either it sees the new epoch, or this sees it asleep.
-        s.epoch.fetch_add(1, Ordering::SeqCst);
+        // Only this caller (under `run_lock`) writes the word.
+        let next = ((s.epoch.load(Ordering::Relaxed) >> PARTICIPANT_BITS) + 1) << PARTICIPANT_BITS;
+        s.epoch.store(next | participants as u64, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) != 0 {
             let _l = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
+        }
+        // The share shrank since this loop counted its threads: the ones it
+        // counted may be parked as left out.
+        if s.active.load(Ordering::SeqCst) < participants {
+            let _l = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.resize.notify_all();
         }
         let mine = catch_unwind(AssertUnwindSafe(|| drain(s, job)));
         while s.busy.load(Ordering::Acquire) != 0 {
@@ -162,35 +197,10 @@ fn drain(s: &Shared, job: Job<'_>) {
     }
 }
 
-fn worker_loop(s: &Shared) {
+/// Worker `index` (1-based; the caller is 0) runs the loops that include it.
+fn worker_loop(s: &Shared, index: usize) {
     let mut seen = 0u64;
-    loop {
-        // Wait for a new epoch: spin first, then park.
-        let spin = spin_iters();
-        let mut spins = 0u32;
-        loop {
-            if s.shutdown.load(Ordering::Acquire) {
-                return;
-            }
-            let e = s.epoch.load(Ordering::Acquire);
-            if e != seen {
-                seen = e;
-                break;
-            }
-            if spins < spin {
-                spins += 1;
-                std::hint::spin_loop();
-            } else {
-                let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-                s.sleepers.fetch_add(1, Ordering::SeqCst);
-                if s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::Acquire) {
-                    drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
-                } else {
-                    drop(guard);
-                }
-                s.sleepers.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
+    while next_loop(s, index, &mut seen) {
         let job = *s.job.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(job) = job {
             if catch_unwind(AssertUnwindSafe(|| drain(s, job))).is_err() {
@@ -201,16 +211,86 @@ fn worker_loop(s: &Shared) {
     }
 }
 
+/// Wait for the next loop that includes worker `index` (true), or the
+/// pool's end (false). In the share, spin first, then park on `wake`; left
+/// out of it, park on `resize` at once (the caller of a loop begun before
+/// the share shrank wakes it there).
+fn next_loop(s: &Shared, index: usize, seen: &mut u64) -> bool {
+    let spin = spin_iters();
+    let mut spins = 0u32;
+    loop {
+        if s.shutdown.load(Ordering::Acquire) {
+            return false;
+        }
+        let word = s.epoch.load(Ordering::Acquire);
+        if word != *seen {
+            *seen = word;
+            if (index as u64) < word & PARTICIPANT_MASK {
+                return true;
+            }
+            continue;
+        }
+        let left_out = index >= s.active.load(Ordering::Acquire);
+        if !left_out && spins < spin {
+            spins += 1;
+            std::hint::spin_loop();
+            continue;
+        }
+        let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if left_out {
+            if s.epoch.load(Ordering::SeqCst) == *seen
+                && index >= s.active.load(Ordering::SeqCst)
+                && !s.shutdown.load(Ordering::Acquire)
+            {
+                drop(s.resize.wait(guard).unwrap_or_else(|e| e.into_inner()));
+            }
+            continue;
+        }
+        s.sleepers.fetch_add(1, Ordering::SeqCst);
+        if s.epoch.load(Ordering::SeqCst) == *seen && !s.shutdown.load(Ordering::Acquire) {
+            drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
+        } else {
+            drop(guard);
+        }
+        s.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         {
             let _l = self.shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
+            self.shared.resize.notify_all();
         }
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+    }
+}
+
+/// Sets a pool's share of its host: how many of its threads a loop runs on.
+#[derive(Clone)]
+pub struct PoolShare {
+    shared: Arc<Shared>,
+    started: usize,
+}
+
+impl PoolShare {
+    /// Run loops on `threads` threads (clamped to 1..=the threads the pool
+    /// started with); the threads now.
+    pub fn set(&self, threads: usize) -> usize {
+        let n = threads.clamp(1, self.started);
+        let _l = self.shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.shared.active.store(n, Ordering::SeqCst);
+        self.shared.resize.notify_all();
+        n
+    }
+
+    /// The threads a loop runs on now, and the most it may.
+    pub fn get(&self) -> (usize, usize) {
+        (self.shared.active.load(Ordering::Relaxed), self.started)
     }
 }
 
@@ -249,6 +329,45 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
         }
+    }
+
+    #[test]
+    fn a_smaller_share_runs_loops_on_fewer_threads_and_grows_back() {
+        let pool = Pool::new(4);
+        let share = pool.share();
+        let threads_seen = |pool: &Pool| {
+            let ids = Mutex::new(std::collections::HashSet::new());
+            for _ in 0..50 {
+                pool.run(64, |_| {
+                    ids.lock().unwrap().insert(std::thread::current().id());
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                });
+            }
+            ids.into_inner().unwrap().len()
+        };
+        assert_eq!(threads_seen(&pool), 4);
+        assert_eq!(share.set(2), 2);
+        assert_eq!(pool.threads(), 2);
+        assert_eq!(threads_seen(&pool), 2);
+        assert_eq!(share.set(1), 1);
+        assert_eq!(threads_seen(&pool), 1);
+        assert_eq!(share.set(9), 4, "never more than it started");
+        assert_eq!(threads_seen(&pool), 4);
+        // Changing the share while loops run loses no task.
+        let count = AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                for i in 0..200 {
+                    share.set(1 + i % 4);
+                }
+            });
+            for _ in 0..200 {
+                pool.run(32, |_| {
+                    count.fetch_add(1, Ordering::Relaxed);
+                });
+            }
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 200 * 32);
     }
 
     #[test]

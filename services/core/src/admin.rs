@@ -8,7 +8,9 @@
 //!   trace-id exemplars on the latency histograms when the scraper's
 //!   `Accept` asks for `application/openmetrics-text`;
 //! - `GET /statusz`: JSON with the effective configuration, build, pid and
-//!   start time — "is the knob live in the running process?" is one call.
+//!   start time — "is the knob live in the running process?" is one call;
+//! - `PUT /threads/N` (prefill and decode workers): run kernel loops on N
+//!   of the worker's threads, so replicas sharing a host divide its cores.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +28,10 @@ use crate::metrics::Format;
 /// Renders the service's current metrics in the format asked for.
 pub type MetricsFn = Arc<dyn Fn(Format) -> String + Send + Sync>;
 
+/// Sets how many kernel threads a compute worker's loops run on; returns
+/// the number it now runs on.
+pub type ThreadsFn = Arc<dyn Fn(usize) -> usize + Send + Sync>;
+
 /// What the admin endpoints report. Cheap to clone; share it with the service.
 #[derive(Clone)]
 pub struct AdminState {
@@ -36,6 +42,8 @@ pub struct AdminState {
     config: Arc<serde_json::Value>,
     /// Facts learnt after start-up (e.g. which device the engine chose), under `runtime`.
     runtime: Arc<std::sync::Mutex<serde_json::Map<String, serde_json::Value>>>,
+    /// A compute worker's share of its host, once its engine is loaded.
+    threads: Arc<std::sync::OnceLock<ThreadsFn>>,
 }
 
 impl AdminState {
@@ -64,7 +72,15 @@ impl AdminState {
             service: service.into(),
             config: Arc::new(config),
             runtime: Default::default(),
+            threads: Default::default(),
         }
+    }
+
+    /// Let `PUT /threads/N` set the kernel threads loops run on (now:
+    /// `threads`, shown in /statusz as `runtime.threads`).
+    pub fn set_threads_control(&self, set: ThreadsFn, threads: usize) {
+        let _ = self.threads.set(set);
+        self.note("threads", serde_json::json!(threads));
     }
 
     /// Short service name (`tokenizer`, `decode`, ...).
@@ -102,6 +118,7 @@ pub async fn serve_admin(
         .route("/metrics", get(metrics))
         .route("/statusz", get(statusz))
         .route("/faults/{name}/{value}", axum::routing::put(set_fault))
+        .route("/threads/{n}", axum::routing::put(set_threads))
         .with_state(state);
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
@@ -130,6 +147,25 @@ async fn set_fault(axum::extract::Path((name, value)): axum::extract::Path<(Stri
     match crate::faults::set(&name, value) {
         Ok(()) => (StatusCode::OK, format!("{name} = {value}\n")),
         Err(e) => (StatusCode::FORBIDDEN, format!("{e}\n")),
+    }
+}
+
+/// `PUT /threads/N`: a compute worker's loops run on N of its kernel
+/// threads from now on (1 up to the threads it started with).
+async fn set_threads(
+    axum::extract::State(s): axum::extract::State<AdminState>,
+    axum::extract::Path(n): axum::extract::Path<usize>,
+) -> impl IntoResponse {
+    match s.threads.get() {
+        Some(set) if n > 0 => {
+            let now = set(n);
+            s.note("threads", serde_json::json!(now));
+            (StatusCode::OK, format!("threads = {now}\n"))
+        }
+        Some(_) => (StatusCode::BAD_REQUEST, "threads must be at least 1\n".to_string()),
+        None => {
+            (StatusCode::NOT_FOUND, format!("pdmesh-{} has no kernel pool (or has not loaded it yet)\n", s.service))
+        }
     }
 }
 

@@ -308,6 +308,12 @@ impl Engine {
         self.pool.threads()
     }
 
+    /// The handle that sets how many of the kernel pool's threads loops
+    /// run on (replicas sharing a host divide its cores).
+    pub fn pool_share(&self) -> pdmesh_kernels::pool::PoolShare {
+        self.pool.share()
+    }
+
     /// Whether the forward pass runs on a GPU.
     pub fn on_gpu(&self) -> bool {
         self.cuda.is_some()

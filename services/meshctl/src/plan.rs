@@ -243,8 +243,27 @@ impl Ctx {
         }
     }
 
-    /// Instance `index` of `kind` (`decode`, `decode@gemma3-270m`), not started yet.
-    pub fn svc(&self, kind: &str, index: usize) -> Result<Svc, String> {
+    /// Kernel threads each of `sharing` replicas of a compute role (all
+    /// pools) runs its loops on: they divide the role's CPUs (its pinned
+    /// ones, else the host's), at least 1 each. None where `--threads`
+    /// fixes each worker's, and for the other kinds.
+    pub fn threads_in_use(&self, role: &str, sharing: usize) -> Option<usize> {
+        let cpus = match role {
+            "prefill" => &self.prefill_cpus,
+            "decode" => &self.decode_cpus,
+            _ => return None,
+        };
+        if self.a.threads > 0 {
+            return None;
+        }
+        let cores =
+            if cpus.is_empty() { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { cpus.len() };
+        Some((cores / sharing.max(1)).max(1))
+    }
+
+    /// Instance `index` of `kind` (`decode`, `decode@gemma3-270m`), not
+    /// started yet, one of `sharing` replicas of its role on this host.
+    pub fn svc(&self, kind: &str, index: usize, sharing: usize) -> Result<Svc, String> {
         let a = &self.a;
         let (role, pool) = pdmesh_core::discovery::split_kind(kind);
         let pool = if role == "gateway" { None } else { Some(self.pool(pool)?) };
@@ -278,6 +297,9 @@ impl Ctx {
                 args[i + 1] = cpus.len().to_string();
             }
         }
+        if let Some(n) = self.threads_in_use(role, sharing) {
+            args.extend(["--threads-in-use".into(), n.to_string()]);
+        }
         let log = self.log_dir.join(format!("{id}.log"));
         let mut s = Svc::new(kind, index, self.bin_dir.join(format!("pdmesh-{role}")), args, http, log);
         s.pass_fd = (role == "gateway").then(|| std::os::fd::AsRawFd::as_raw_fd(&self.gateway_socket));
@@ -300,9 +322,11 @@ impl Ctx {
             if replicas == 0 || replicas > MAX_REPLICAS {
                 return Err(format!("--{kind}-replicas must be 1..={}", MAX_REPLICAS));
             }
-            for k in self.kinds_of(kind, true)? {
+            let kinds = self.kinds_of(kind, true)?;
+            let sharing = replicas * kinds.len();
+            for k in kinds {
                 for r in 0..replicas {
-                    svcs.push(self.svc(&k, r)?);
+                    svcs.push(self.svc(&k, r, sharing)?);
                 }
             }
         }

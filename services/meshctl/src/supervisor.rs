@@ -198,7 +198,10 @@ impl Mesh {
     /// Start one more instance of `kind`, gated on its health; its id.
     async fn add(&mut self, kind: &str) -> Result<String, String> {
         let index = self.svcs.iter().filter(|s| s.kind == kind).map(|s| s.index + 1).max().unwrap_or(0);
-        let mut s = self.ctx.svc(kind, index)?;
+        let role = pdmesh_core::discovery::split_kind(kind).0;
+        let sharing = self.sharing(role) + 1;
+        self.reshare(role, sharing).await;
+        let mut s = self.ctx.svc(kind, index, sharing)?;
         if kind == "gateway" {
             // Its clients queue for it from now on.
             self.adding_gateway = true;
@@ -253,6 +256,39 @@ impl Mesh {
         Ok(())
     }
 
+    /// Live replicas of compute role `role` (every pool's), which share the host.
+    fn sharing(&self, role: &str) -> usize {
+        let of_role = |s: &&Svc| pdmesh_core::discovery::split_kind(&s.kind).0 == role;
+        self.svcs.iter().filter(of_role).filter(|s| !s.draining && s.gave_up.is_none()).count()
+    }
+
+    /// The live replicas of compute role `role` divide the cores as
+    /// `sharing` replicas do (`PUT /threads/N` on each): before a new one
+    /// starts, and after a drain. One that could not be told keeps its
+    /// share, and meshctl's log says so.
+    async fn reshare(&self, role: &str, sharing: usize) {
+        let Some(n) = self.ctx.threads_in_use(role, sharing) else { return };
+        let of_role = |s: &&Svc| pdmesh_core::discovery::split_kind(&s.kind).0 == role && !s.draining;
+        for s in self.svcs.iter().filter(of_role) {
+            let (addr, path) = (s.http.clone(), format!("/threads/{n}"));
+            let put = move || pdmesh_core::http::put(&addr, &path, Duration::from_secs(2));
+            let why = match tokio::task::spawn_blocking(put).await {
+                Ok(Ok((200, _))) => continue,
+                Ok(Ok((code, body))) => format!("{code} {}", body.trim()),
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => e.to_string(),
+            };
+            eprintln!("meshctl: {} keeps its kernel threads: {why}", s.name);
+        }
+    }
+
+    /// Every compute role's replicas divide the cores as they are now.
+    async fn reshare_all(&self) {
+        for role in ["prefill", "decode"] {
+            self.reshare(role, self.sharing(role)).await;
+        }
+    }
+
     async fn scale(&mut self, asked: &BTreeMap<String, usize>) -> Result<Value, String> {
         let mut want = BTreeMap::new();
         for (kind, &n) in asked {
@@ -281,6 +317,7 @@ impl Mesh {
                 drained.extend(surplus);
             }
         }
+        self.reshare_all().await;
         Ok(json!({ "started": started, "drained": drained }))
     }
 
@@ -299,6 +336,7 @@ impl Mesh {
                 replaced.push(json!({ "old": old, "new": new }));
             }
         }
+        self.reshare_all().await;
         Ok(json!({ "replaced": replaced }))
     }
 

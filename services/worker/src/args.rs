@@ -35,6 +35,12 @@ pub struct EngineArgs {
     /// Kernel threads (0 = all cores).
     #[arg(long, env = "PDMESH_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Of those, how many each parallel loop runs on now (0 = all). The
+    /// rest park without spinning, so replicas sharing a host divide its
+    /// cores; `meshctl up` sets it, and `PUT /threads/N` on the admin
+    /// port changes it while the worker runs.
+    #[arg(long, env = "PDMESH_THREADS_IN_USE", default_value_t = 0)]
+    pub threads_in_use: usize,
     /// KV cache blocks in this worker's arena (default: 2048 on a CPU,
     /// 16384 on a GPU).
     #[arg(long, env = "PDMESH_KV_BLOCKS")]

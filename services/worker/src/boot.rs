@@ -123,12 +123,19 @@ pub async fn boot<T: Send + Sync + 'static>(
         std::sync::Arc::new(move |f| s2.get().map(|s| render(s, f)).unwrap_or_default()),
     );
     let admin = pdmesh_core::serve::Admin::start(common, admin).await?;
-    let args = engine.clone();
+    let (args, in_use) = (engine.clone(), engine.threads_in_use);
     let engine = tokio::task::spawn_blocking(move || args.load())
         .await
         .map_err(|e| ServeError::Setup(e.to_string()))?
         .map_err(|e| ServeError::Setup(format!("engine: {e}")))?;
     admin.state.note("backend", serde_json::json!(engine.backend_note));
+    // Replicas sharing a host divide its cores: loops run on a share of the pool.
+    let share = engine.pool_share();
+    if in_use > 0 {
+        share.set(in_use);
+    }
+    let now = share.get().0;
+    admin.state.set_threads_control(std::sync::Arc::new(move |n| share.set(n)), now);
     if let Some(knobs) = engine.cuda_knobs() {
         admin.state.note("cuda_knobs", knobs);
     }
