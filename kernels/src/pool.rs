@@ -30,6 +30,12 @@ fn spin_iters() -> u32 {
 
 type Job<'a> = &'a (dyn Fn(usize) + Sync);
 
+/// A step whose threads waited this share of their runnable time for a
+/// CPU marks the host crowded ...
+pub const CROWDED_SHARE: f64 = 0.2;
+/// ... for this long.
+pub const CROWDED_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Low bits of the epoch word that hold a loop's thread count.
 const PARTICIPANT_BITS: u32 = 8;
 const PARTICIPANT_MASK: u64 = (1 << PARTICIPANT_BITS) - 1;
@@ -59,6 +65,17 @@ struct Shared {
     active: AtomicUsize,
     /// Workers left out of the share wait here for it to grow.
     resize: Condvar,
+    /// Until when (ns after `born`) the host is crowded: workers park right
+    /// after a loop instead of spinning, and the caller yields while it
+    /// waits for them.
+    crowded_until: AtomicU64,
+    born: std::time::Instant,
+}
+
+impl Shared {
+    fn crowded(&self) -> bool {
+        (self.born.elapsed().as_nanos() as u64) < self.crowded_until.load(Ordering::Relaxed)
+    }
 }
 
 /// Fork-join pool: `run(n, f)` calls `f(0..n)` on the caller and the workers.
@@ -90,6 +107,8 @@ impl Pool {
             sleepers: AtomicUsize::new(0),
             os_ids: Mutex::new(Vec::new()),
             active: AtomicUsize::new(threads),
+            crowded_until: AtomicU64::new(0),
+            born: std::time::Instant::now(),
             resize: Condvar::new(),
         });
         let workers = (1..threads)
@@ -166,8 +185,17 @@ impl Pool {
             s.resize.notify_all();
         }
         let mine = catch_unwind(AssertUnwindSafe(|| drain(s, job)));
+        // On a crowded host a worker may be off its CPU: give the CPU away
+        // while waiting instead of spinning out the time slice.
+        let crowded = s.crowded();
+        let mut spins = 0u32;
         while s.busy.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            spins += 1;
+            if crowded && spins > 256 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if let Err(p) = mine {
@@ -216,7 +244,7 @@ fn worker_loop(s: &Shared, index: usize) {
 /// out of it, park on `resize` at once (the caller of a loop begun before
 /// the share shrank wakes it there).
 fn next_loop(s: &Shared, index: usize, seen: &mut u64) -> bool {
-    let spin = spin_iters();
+    let spin = if s.crowded() { 0 } else { spin_iters() };
     let mut spins = 0u32;
     loop {
         if s.shutdown.load(Ordering::Acquire) {
@@ -291,6 +319,23 @@ impl PoolShare {
     /// The threads a loop runs on now, and the most it may.
     pub fn get(&self) -> (usize, usize) {
         (self.shared.active.load(Ordering::Relaxed), self.started)
+    }
+
+    /// The pool's threads waited for a CPU this share of their runnable
+    /// time over the last step: from [`CROWDED_SHARE`] up, the host has
+    /// more runnable threads than cores, and for [`CROWDED_FOR`] the pool
+    /// stops spinning (its threads park after each loop; the caller yields
+    /// while it waits), so it does not take the cores others wait for.
+    pub fn note_cpu_wait(&self, share: f64) {
+        if share >= CROWDED_SHARE {
+            let until = self.shared.born.elapsed() + CROWDED_FOR;
+            self.shared.crowded_until.store(until.as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the pool holds back from spinning now.
+    pub fn crowded(&self) -> bool {
+        self.shared.crowded()
     }
 }
 
@@ -368,6 +413,25 @@ mod tests {
             }
         });
         assert_eq!(count.load(Ordering::Relaxed), 200 * 32);
+    }
+
+    #[test]
+    fn a_step_that_waited_for_cpus_stops_the_spinning_and_loops_still_run() {
+        let pool = Pool::new(3);
+        let share = pool.share();
+        share.note_cpu_wait(0.05);
+        assert!(!share.crowded(), "5% wait is not crowding");
+        share.note_cpu_wait(0.6);
+        assert!(share.crowded());
+        let count = AtomicUsize::new(0);
+        for _ in 0..100 {
+            pool.run(16, |_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        assert_eq!(count.load(Ordering::Relaxed), 1600);
+        share.note_cpu_wait(0.0);
+        assert!(share.crowded(), "for CROWDED_FOR after the last crowded step");
     }
 
     #[test]

@@ -185,7 +185,7 @@ impl Batcher {
             .spawn(move || {
                 let _alive = guard;
                 Loop {
-                    meter: Meter::new(&engine.pool_thread_ids(), s.step_costs.clone()),
+                    meter: Meter::new(&engine.pool_thread_ids(), s.step_costs.clone()).backing_off(engine.pool_share()),
                     engine,
                     max_batch: max_batch.max(1),
                     local_step_tokens: local_step_tokens.max(1),

@@ -1,6 +1,7 @@
 //! The step API: sequences with reserved KV blocks, batched prefill and
 //! decode steps, KV export/import, and a simple continuous-batching loop.
 
+use crate::PoolShare;
 use std::collections::HashMap;
 
 use pdmesh_kernels::pool::Pool;
@@ -310,7 +311,7 @@ impl Engine {
 
     /// The handle that sets how many of the kernel pool's threads loops
     /// run on (replicas sharing a host divide its cores).
-    pub fn pool_share(&self) -> pdmesh_kernels::pool::PoolShare {
+    pub fn pool_share(&self) -> PoolShare {
         self.pool.share()
     }
 

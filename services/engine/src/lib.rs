@@ -38,6 +38,6 @@ pub use engine::{ComputeBackend, Engine, EngineOptions, FinishReason, SeqId, Siz
 pub use error::EngineError;
 pub use kv::{KvBlob, KvCache, KvLayout};
 pub use model::Model;
-pub use pdmesh_kernels::pool::os_thread_id;
+pub use pdmesh_kernels::pool::{os_thread_id, PoolShare};
 pub use sampler::{NextToken, SamplingParams};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};

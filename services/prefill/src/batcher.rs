@@ -159,7 +159,8 @@ impl Batcher {
             .spawn(move || {
                 let _alive = guard;
                 run(Loop {
-                    meter: Meter::new(&engine.pool_thread_ids(), s2.step_costs.clone()),
+                    meter: Meter::new(&engine.pool_thread_ids(), s2.step_costs.clone())
+                        .backing_off(engine.pool_share()),
                     engine,
                     q: q2,
                     stats: s2,

@@ -207,6 +207,8 @@ struct Normal {
 /// Measures the steps of one worker loop (built on the loop's thread).
 pub struct Meter {
     threads: Vec<SchedStat>,
+    /// Told each step's CPU wait, so the pool stops spinning on a crowded host.
+    pool: Option<pdmesh_engine::PoolShare>,
     normals: HashMap<Shape, Normal>,
     batch_usual: f64,
     counters: Arc<Counters>,
@@ -218,7 +220,13 @@ impl Meter {
     pub fn new(pool_threads: &[u32], counters: Arc<Counters>) -> Meter {
         let me = pdmesh_engine::os_thread_id();
         let threads = me.iter().chain(pool_threads).filter_map(|t| SchedStat::open(*t)).collect();
-        Meter { threads, normals: HashMap::new(), batch_usual: 0.0, counters }
+        Meter { threads, pool: None, normals: HashMap::new(), batch_usual: 0.0, counters }
+    }
+
+    /// Tell `pool` each step's CPU wait (see [`pdmesh_engine::PoolShare::note_cpu_wait`]).
+    pub fn backing_off(mut self, pool: pdmesh_engine::PoolShare) -> Meter {
+        self.pool = Some(pool);
+        self
     }
 
     fn read(&self) -> (u64, u64) {
@@ -248,6 +256,9 @@ impl Meter {
         };
         if !step.starved() {
             self.learn(shape, wall_ms);
+        }
+        if let Some(p) = &self.pool {
+            p.note_cpu_wait(step.runq_ms / (step.cpu_ms + step.runq_ms).max(1e-9));
         }
         self.batch_usual =
             if self.batch_usual == 0.0 { batch as f64 } else { 0.98 * self.batch_usual + 0.02 * batch as f64 };
