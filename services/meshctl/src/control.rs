@@ -26,18 +26,23 @@ use crate::supervisor::{Asked, Control, Mesh, Op, Snapshot, RESTART_ORDER};
 struct Endpoint {
     tx: tokio::sync::mpsc::Sender<Asked>,
     processes: Snapshot,
+    autoscaler: Option<crate::autoscale::Shared>,
 }
 
-/// Serve the control endpoint on loopback and register it in discovery.
-pub async fn open(mesh: &Mesh) -> Result<Control, String> {
+/// Serve the control endpoint on loopback and register it in discovery;
+/// with an autoscaler, its metrics (`GET /metrics`) and state
+/// (`GET /v1/autoscaler`) too.
+pub async fn open(mesh: &Mesh, autoscaler: Option<crate::autoscale::Shared>) -> Result<Control, String> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
     let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
     let (tx, rx) = tokio::sync::mpsc::channel::<Asked>(16);
-    let ep = Endpoint { tx, processes: mesh.snapshot() };
+    let ep = Endpoint { tx: tx.clone(), processes: mesh.snapshot(), autoscaler };
     let app = axum::Router::new()
         .route("/health", get(|| async { "ok\n" }))
         .route("/v1/op", post(ask))
         .route("/v1/processes", get(processes))
+        .route("/v1/autoscaler", get(autoscaler_state))
+        .route("/metrics", get(autoscaler_metrics))
         .with_state(ep);
     tokio::spawn(async move { axum::serve(l, app).await });
     let d = mesh.ctx.a.discovery.open(&mesh.ctx.locator).map_err(|e| e.to_string())?;
@@ -55,7 +60,19 @@ pub async fn open(mesh: &Mesh) -> Result<Control, String> {
     }
     let registration = Some(d.register(me).await.map_err(|e| e.to_string())?);
     eprintln!("meshctl: control endpoint http://{addr} (meshctl scale / drain / restart)");
-    Ok(Control { rx, registration })
+    Ok(Control { rx, registration, tx })
+}
+
+async fn autoscaler_state(State(ep): State<Endpoint>) -> axum::response::Response {
+    match &ep.autoscaler {
+        Some(a) => a.lock().unwrap_or_else(|e| e.into_inner()).json().to_string().into_response(),
+        None => (StatusCode::NOT_FOUND, "this mesh runs no autoscaler (meshctl up --autoscale POLICY.toml)\n")
+            .into_response(),
+    }
+}
+
+async fn autoscaler_metrics(State(ep): State<Endpoint>) -> String {
+    ep.autoscaler.as_ref().map(|a| a.lock().unwrap_or_else(|e| e.into_inner()).render()).unwrap_or_default()
 }
 
 async fn processes(State(ep): State<Endpoint>) -> axum::response::Response {

@@ -127,6 +127,12 @@ pub struct Args {
     /// Do not restart a service that exits on its own.
     #[arg(long)]
     pub no_restart: bool,
+    /// Scale prefill, decode and routers by themselves, within the bounds of
+    /// this policy file (TOML; see docs/reference/meshctl.md, "Autoscaling").
+    /// A policy that does not parse, or a mesh of several models, is refused
+    /// before anything starts.
+    #[arg(long)]
+    pub autoscale: Option<PathBuf>,
     /// Write a Prometheus file_sd target list of every service's /metrics
     /// address to this file once the mesh is up (see infra/prometheus.yml).
     #[arg(long)]

@@ -16,6 +16,7 @@
 //! `meshctl` does not link the engine: it fetches the model through
 //! `pdmesh-model`; the benchmarks live in `pdmesh-bench`.
 
+mod autoscale;
 mod control;
 mod devca;
 mod flags;
@@ -58,6 +59,8 @@ enum Cmd {
     Drain(control::DrainArgs),
     /// Rolling restart: per instance, a new one first, then the old one drained.
     Restart(control::RestartArgs),
+    /// What the autoscaler would do on a running mesh, and why: `meshctl autoscale --policy P.toml --dry-run`.
+    Autoscale(autoscale::Args),
     /// Receive OTLP/gRPC spans and append them to an OTLP/JSON-lines file (when there is no Jaeger).
     Collect(inspect::CollectArgs),
 }
@@ -82,6 +85,7 @@ async fn main() -> ExitCode {
         Cmd::Scale(a) => control::scale_cmd(a).await,
         Cmd::Drain(a) => control::drain_cmd(a).await,
         Cmd::Restart(a) => control::restart_cmd(a).await,
+        Cmd::Autoscale(a) => autoscale::cmd(a).await,
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -166,9 +166,14 @@ async fn collect_kind(
 /// The running `meshctl up`'s view of its processes (running, restarting
 /// after a backoff, left down after a crash loop), if one is registered.
 async fn supervisor(reg: &dyn Discovery) -> Option<Vec<serde_json::Value>> {
+    from_meshctl(reg, "/v1/processes").await
+}
+
+/// A JSON document from the running `meshctl up`'s control endpoint.
+async fn from_meshctl<T: serde::de::DeserializeOwned>(reg: &dyn Discovery, path: &'static str) -> Option<T> {
     let up = reg.healthy("meshctl").await.ok()?.into_iter().next()?;
     let addr = up.http_addr?;
-    let got = tokio::task::spawn_blocking(move || get(&addr, "/v1/processes", Duration::from_secs(2))).await.ok()?;
+    let got = tokio::task::spawn_blocking(move || get(&addr, path, Duration::from_secs(2))).await.ok()?;
     match got {
         Ok((200, body)) => serde_json::from_str(&body).ok(),
         _ => None,
@@ -202,8 +207,9 @@ pub async fn run(a: Args) -> Result<(), String> {
     let registry = a.discovery.open_or_default()?;
     let list = collect(&*registry).await?;
     let procs = supervisor(&*registry).await;
+    let autoscaler: Option<serde_json::Value> = from_meshctl(&*registry, "/v1/autoscaler").await;
     if a.json {
-        let v = json!({ "discovery": registry.describe(), "instances": list, "supervisor": procs });
+        let v = json!({ "discovery": registry.describe(), "instances": list, "supervisor": procs, "autoscaler": autoscaler });
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(());
     }
@@ -220,6 +226,15 @@ pub async fn run(a: Args) -> Result<(), String> {
             p["state"].as_str().unwrap_or(""),
             p["restarts"],
             p["last_exit"].as_str().unwrap_or("-")
+        );
+    }
+    // The autoscaler's view: each kind's desired replicas and why.
+    for k in autoscaler.iter().flat_map(|a| a["kinds"].as_array().cloned().unwrap_or_default()) {
+        println!(
+            "autoscale: {} wants {}: {}",
+            k["kind"].as_str().unwrap_or(""),
+            k["desired"],
+            k["reason"].as_str().unwrap_or("")
         );
     }
     Ok(())

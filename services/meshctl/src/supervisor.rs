@@ -64,6 +64,8 @@ pub struct Mesh {
 pub struct Control {
     pub rx: tokio::sync::mpsc::Receiver<Asked>,
     pub registration: Option<Registration>,
+    /// Where requests are sent (the autoscaler's go the operators' way).
+    pub tx: tokio::sync::mpsc::Sender<Asked>,
 }
 
 /// Every process's supervisor state, refreshed each tick for `GET /v1/processes`.

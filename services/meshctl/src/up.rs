@@ -9,7 +9,11 @@ use crate::supervisor::{start_all, stop_all, Mesh};
 use crate::{control, plan};
 
 pub async fn run(a: Args) -> Result<(), String> {
+    let policy = a.autoscale.as_deref().map(pdmesh_planner::Policy::load).transpose()?;
     let mut ctx = plan::context(a).await?;
+    if policy.is_some() && ctx.pools.len() > 1 {
+        return Err(format!("--autoscale scales a mesh of one model; this one serves {}", ctx.pools.len()));
+    }
     // Jaeger first, so every service exports to it from its first span.
     let jaeger = match ctx.a.jaeger.jaeger {
         true => Some(Jaeger::start(&ctx.a.jaeger, &ctx.a.cache.dir(), ctx.log_dir())?),
@@ -30,10 +34,19 @@ pub async fn run(a: Args) -> Result<(), String> {
         eprintln!("meshctl: Prometheus targets in {}", f.display());
     }
     let mut mesh = Mesh::new(ctx, svcs);
-    let control = control::open(&mesh).await;
+    let autoscaler = policy.as_ref().map(|_| crate::autoscale::Shared::default());
+    let control = control::open(&mesh, autoscaler.clone()).await;
     if let Err(e) = &control {
-        eprintln!("meshctl: no control endpoint ({e}); scale, drain and restart are unavailable");
+        eprintln!("meshctl: no control endpoint ({e}); scale, drain, restart and autoscale are unavailable");
     }
+    let _scaler = match (policy, &control, autoscaler) {
+        (Some(p), Ok(c), Some(state)) => {
+            let reg = mesh.ctx.a.discovery.open(&mesh.ctx.locator).map_err(|e| e.to_string())?;
+            eprintln!("meshctl: autoscaling every {} s", p.timing.interval_s);
+            Some(crate::autoscale::start(p, reg, state, c.tx.clone()))
+        }
+        _ => None,
+    };
     println!("pdmesh is up: http://{}/v1 (discovery {}); Ctrl-C stops it", mesh.ctx.a.gateway_addr, mesh.ctx.locator);
     if let Some(j) = &jaeger {
         println!("traces: {} (Jaeger UI; search service pdmesh-gateway)", j.ui);

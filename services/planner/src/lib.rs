@@ -182,6 +182,14 @@ impl Planner {
         self.kinds.iter().map(|(k, s)| (*k, s.replicas)).collect()
     }
 
+    /// What runs of `kind` when it differs from what the planner decided
+    /// (a scale that failed): the next decision starts from it.
+    pub fn set_replicas(&mut self, kind: Kind, n: usize) {
+        if let Some((_, s)) = self.kinds.iter_mut().find(|(k, _)| *k == kind) {
+            s.replicas = n;
+        }
+    }
+
     /// One step: a decision per scaled kind (most are `Hold`).
     pub fn decide(&mut self, sig: &Signals) -> Vec<Decision> {
         let cores_in_use: usize = self.kinds.iter().map(|(k, s)| s.replicas * self.cores(*k)).sum();

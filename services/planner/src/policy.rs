@@ -191,6 +191,14 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_policy_is_the_defaults_with_bounds_1_to_2() {
+        let p = Policy::parse(include_str!("../../../infra/autoscale.toml")).unwrap();
+        let two = Bounds { min: 1, max: 2, cores: 1 };
+        let want = Policy { prefill: Some(two.clone()), decode: Some(two), ..Policy::default() };
+        assert_eq!(p, want);
+    }
+
+    #[test]
     fn bad_policies_are_refused_naming_the_field() {
         let cases = [
             ("[prefill]\nmin = 3\nmax = 2\n", "prefill.min (3) is above prefill.max (2)"),

@@ -80,6 +80,8 @@ pub struct Stats {
     pub prompt_tokens: AtomicU64,
     pub step_seconds: Histogram,
     pub transfer_seconds: Histogram,
+    /// From a prompt's arrival to its start in the engine.
+    pub queue_wait_seconds: Histogram,
     pub transfer_bytes: AtomicU64,
     pub transfers_nixl: AtomicU64,
     pub transfers_tcp: AtomicU64,
@@ -141,6 +143,7 @@ impl Batcher {
             prompt_tokens: AtomicU64::new(0),
             step_seconds: Histogram::latency(),
             transfer_seconds: Histogram::latency(),
+            queue_wait_seconds: Histogram::latency(),
             transfer_bytes: AtomicU64::new(0),
             transfers_nixl: AtomicU64::new(0),
             transfers_tcp: AtomicU64::new(0),
@@ -472,6 +475,7 @@ impl Loop {
                 return None;
             }
         };
+        self.stats.queue_wait_seconds.observe(job.enqueued.elapsed().as_secs_f64());
         let cached = self.engine.reused_tokens(id).unwrap_or(0);
         let computed = job.prompt.len() - cached;
         if let Some(d) = job.deadline {

@@ -58,6 +58,11 @@ fn render(st: &Stats, f: Format) -> String {
         )
         .histogram(metric::prefill::STEP_SECONDS, "Duration of one batched prefill step.", &st.step_seconds)
         .histogram(
+            metric::prefill::QUEUE_WAIT_SECONDS,
+            "How long a prompt waited from its arrival to its start in a forward step.",
+            &st.queue_wait_seconds,
+        )
+        .histogram(
             metric::prefill::KV_TRANSFER_SECONDS,
             "Duration of one KV transfer to a decode worker.",
             &st.transfer_seconds,

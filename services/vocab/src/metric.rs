@@ -134,6 +134,7 @@ pub mod prefill {
     pub const QUEUED: &str = name!("prefill", "queued");
     pub const QUEUED_TOKENS: &str = name!("prefill", "queued_tokens");
     pub const EXPECTED_WAIT_SECONDS: &str = name!("prefill", "expected_wait_seconds");
+    pub const QUEUE_WAIT_SECONDS: &str = name!("prefill", "queue_wait_seconds");
     pub const KV_BLOCKS_USED: &str = name!("prefill", "kv_blocks_used");
     pub const KV_BLOCKS_TOTAL: &str = name!("prefill", "kv_blocks_total");
     pub const KV_BLOCKS_PINNED: &str = name!("prefill", "kv_blocks_pinned");
@@ -173,6 +174,12 @@ pub mod decode {
     pub const WORKER: Worker = worker!("decode");
 }
 
+/// `meshctl up --autoscale`'s planner (on meshctl's control endpoint).
+pub mod autoscaler {
+    pub const DESIRED_REPLICAS: &str = "pdmesh_autoscaler_desired_replicas";
+    pub const DECISIONS_TOTAL: &str = "pdmesh_autoscaler_decisions_total";
+}
+
 /// The single-kind families above.
 const OWN: &[&str] = &[
     shared::DISCOVERY_UP,
@@ -210,6 +217,7 @@ const OWN: &[&str] = &[
     prefill::QUEUED,
     prefill::QUEUED_TOKENS,
     prefill::EXPECTED_WAIT_SECONDS,
+    prefill::QUEUE_WAIT_SECONDS,
     prefill::KV_BLOCKS_USED,
     prefill::KV_BLOCKS_TOTAL,
     prefill::KV_BLOCKS_PINNED,
@@ -238,6 +246,8 @@ const OWN: &[&str] = &[
     decode::PARKED,
     decode::KV_CORRUPT_TOTAL,
     decode::REQUESTS_TOTAL,
+    autoscaler::DESIRED_REPLICAS,
+    autoscaler::DECISIONS_TOTAL,
 ];
 
 /// Every family name in this file.
