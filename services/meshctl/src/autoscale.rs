@@ -133,9 +133,13 @@ impl Collector {
         }
         let refused = format!("{}{{outcome=\"resource_exhausted\"}}", m::decode::REQUESTS_TOTAL);
         now.refused = d.as_deref().map_or(0.0, |d| sum(d, &refused));
+        // Between a stream's tokens is a decode step: its step time, not the
+        // router's gaps, which also hold each stream's hand-over from prefill.
+        for t in d.iter().flatten() {
+            add(&mut now.itl, buckets(t, m::decode::STEP_SECONDS));
+        }
         for t in r.iter().flatten() {
             add(&mut now.ttft, buckets(t, m::router::TTFT_SECONDS));
-            add(&mut now.itl, buckets(t, m::router::INTER_TOKEN_SECONDS));
         }
         let at = Instant::now();
         while self.history.len() > 1 && at - self.history[1].0 >= self.window {
@@ -151,7 +155,7 @@ impl Collector {
             expected_wait_s: p.iter().filter_map(|t| metric(t, m::prefill::EXPECTED_WAIT_SECONDS)).fold(0.0, f64::max),
             busy: (rate(now.prefill_wall_s, then.prefill_wall_s) / p.len() as f64).min(1.0),
         });
-        let itl = r.as_ref().and_then(|_| p90(&now.itl, &then.itl));
+        let itl = p90(&now.itl, &then.itl);
         let decode = d.map(|d| DecodeSignals {
             kv_use: sum(&d, m::decode::KV_BLOCKS_USED) / sum(&d, m::decode::KV_BLOCKS_TOTAL).max(1.0),
             refusals_per_s: rate(now.refused, then.refused),

@@ -70,7 +70,8 @@ pub struct DecodeSignals {
     pub refusals_per_s: f64,
     /// Sequences running now.
     pub running: f64,
-    /// p90 of the time between tokens; None when no stream ran.
+    /// p90 of the time between a running stream's tokens (the decode
+    /// workers' step time); None when no step ran.
     pub inter_token_p90_s: Option<f64>,
 }
 

@@ -12,6 +12,8 @@ use crate::{Decision, DecodeSignals, Direction, Kind, KindState, PrefillSignals,
 
 /// A remaining replica may be at most this busy after a scale-down.
 const DOWN_BUSY: f64 = 0.6;
+/// A scale-down of prefill needs its queue wait under this share of its target.
+const DOWN_WAIT: f64 = 0.5;
 /// After a scale-down, the inter-token p90 may be at most this share of its target.
 const DOWN_LATENCY: f64 = 0.8;
 /// One step up at most doubles a kind.
@@ -192,7 +194,7 @@ fn prefill(p: &Policy, s: &PrefillSignals, n: usize) -> View {
     };
     let idle = n == 1 && busy < 0.01 && s.queued_tokens == 0.0;
     let fewer = on_fewer(busy, n);
-    let low = (idle || (fewer < DOWN_BUSY && wait < 0.25 * t.queue_wait_p90_s)).then(|| {
+    let low = (idle || (fewer < DOWN_BUSY && wait < DOWN_WAIT * t.queue_wait_p90_s)).then(|| {
         format!(
             "prefill busy {:.0}%, queue wait p90 {wait:.2} s: {} would be {:.0}% busy",
             busy * 100.0,

@@ -557,7 +557,8 @@ pub fn start_load(gateway: &str, report: &std::path::Path, extra: &[(&str, &str)
         }
     }
     Command::new(&loadtest)
-        .args(flags.iter().flat_map(|&(f, v)| [f, v]))
+        // A switch (no value) is given with "".
+        .args(flags.iter().flat_map(|&(f, v)| if v.is_empty() { vec![f] } else { vec![f, v] }))
         .arg("--out")
         .arg(report)
         .stdout(Stdio::null())
