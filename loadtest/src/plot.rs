@@ -1,6 +1,8 @@
 //! Plots of a load test, each as PNG and SVG: throughput and latency
-//! percentiles against load (one line per target), and a per-request
-//! timeline of one run with the load sampled from /metrics beneath it.
+//! percentiles against load (one line per target), a per-request
+//! timeline of one run with the load sampled from /metrics beneath it,
+//! and panels of series over time ([`write_series`]: an autoscaler's
+//! replicas and the signals behind them).
 //!
 //! Text in the PNGs needs a font: DejaVu Sans ships inside the tool
 //! (`assets/`, its licence beside it), so no system fonts are needed.
@@ -280,6 +282,61 @@ fn both(prefix: &Path, name: &str, size: (u32, u32), f: &DrawPng<'_>, g: &DrawSv
     f(&BitMapBackend::new(&png, size).into_drawing_area())?;
     g(&SVGBackend::new(&svg, size).into_drawing_area())?;
     Ok(vec![png, svg])
+}
+
+/// Named series over time, sharing one y axis.
+pub struct Panel {
+    pub y_desc: String,
+    pub series: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+fn draw_panels<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, panels: &[Panel]) -> Result<(), String> {
+    root.fill(&WHITE).map_err(err)?;
+    let t_end = panels.iter().flat_map(|p| p.series.iter().flat_map(|s| s.1.iter().map(|x| x.0))).fold(1.0, f64::max);
+    let (head, body) = root.split_vertically(30);
+    head.titled(title, ("sans-serif", 20)).map_err(err)?;
+    let areas = body.split_evenly((panels.len().max(1), 1));
+    let mut c = 0;
+    for (area, panel) in areas.iter().zip(panels) {
+        let ymax = panel.series.iter().flat_map(|s| s.1.iter().map(|x| x.1)).fold(0.0, f64::max).max(1e-3) * 1.15;
+        let mut chart = ChartBuilder::on(area)
+            .margin(8)
+            .x_label_area_size(28)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..t_end, 0.0..ymax)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .y_desc(panel.y_desc.as_str())
+            .x_desc("seconds")
+            .max_light_lines(1)
+            .draw()
+            .map_err(err)?;
+        for (label, pts) in &panel.series {
+            let col = COLORS[c % COLORS.len()];
+            c += 1;
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), col.stroke_width(2)))
+                .map_err(err)?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    root.present().map_err(err)
+}
+
+/// Panels of series over time, stacked, as `<prefix>-series.png` and `.svg`.
+pub fn write_series(prefix: &Path, title: &str, panels: &[Panel]) -> Result<Vec<PathBuf>, String> {
+    register_font()?;
+    let h = 200 + 220 * panels.len() as u32;
+    both(prefix, "series", (1000, h), &|r| draw_panels(r, title, panels), &|r| draw_panels(r, title, panels))
 }
 
 /// Every plot of a run, written beside `prefix` (e.g. `docs/benchmarks/run`

@@ -175,11 +175,27 @@ pub struct State {
     decisions: BTreeMap<(&'static str, &'static str, &'static str), u64>,
     /// Each kind's latest decision in words.
     last: BTreeMap<&'static str, String>,
+    /// The latest sample's signals (null where unread).
+    signals: Value,
 }
 
 pub type Shared = Arc<Mutex<State>>;
 
 impl State {
+    fn observe(&mut self, s: &Signals) {
+        self.signals = json!({
+            "at_s": s.at_s,
+            "ttft_p90_s": s.ttft_p90_s,
+            "prefill_queue_wait_p90_s": s.prefill.map(|p| p.queue_wait_p90_s),
+            "prefill_expected_wait_s": s.prefill.map(|p| p.expected_wait_s),
+            "prefill_busy": s.prefill.map(|p| p.busy),
+            "decode_inter_token_p90_s": s.decode.and_then(|d| d.inter_token_p90_s),
+            "decode_kv_use": s.decode.map(|d| d.kv_use),
+            "decode_refusals_per_s": s.decode.map(|d| d.refusals_per_s),
+            "router_in_flight": s.router.map(|r| r.in_flight),
+        });
+    }
+
     fn record(&mut self, d: &Decision) {
         self.desired.insert(d.kind.name(), d.to);
         self.last.insert(d.kind.name(), d.reason.clone());
@@ -218,7 +234,7 @@ impl State {
             .iter()
             .map(|(k, n)| json!({ "kind": k, "desired": n, "reason": self.last.get(k).cloned().unwrap_or_default() }))
             .collect();
-        json!({ "kinds": kinds })
+        json!({ "kinds": kinds, "signals": self.signals })
     }
 }
 
@@ -247,6 +263,7 @@ pub async fn drive(
     loop {
         tick.tick().await;
         let signals = c.sample().await;
+        state.lock().unwrap_or_else(|e| e.into_inner()).observe(&signals);
         let decisions = planner.decide(&signals);
         for d in &decisions {
             state.lock().unwrap_or_else(|e| e.into_inner()).record(d);

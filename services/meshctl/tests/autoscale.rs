@@ -39,22 +39,68 @@ async fn replicas(mesh: &Mesh) -> (usize, usize) {
     (reg.healthy("prefill").await.unwrap().len(), reg.healthy("decode").await.unwrap().len())
 }
 
-/// Wait (printing the replicas each second, as JSON) until `done` holds.
-async fn until(mesh: &Mesh, t0: Instant, what: &str, within: Duration, done: impl Fn((usize, usize)) -> bool) {
-    let start = Instant::now();
-    loop {
-        let now = replicas(mesh).await;
-        println!(
-            "{{\"t_s\": {:.0}, \"prefill\": {}, \"decode\": {}, \"phase\": \"{what}\"}}",
-            t0.elapsed().as_secs_f64(),
-            now.0,
-            now.1
-        );
-        if done(now) {
-            return;
+/// The autoscaler's latest signals, from meshctl's control endpoint.
+async fn signals(mesh: &Mesh) -> serde_json::Value {
+    let up = mesh.registry().healthy("meshctl").await.unwrap();
+    let addr = up[0].http_addr.clone().unwrap();
+    let (code, body) = pdmesh_testkit::http_get(&addr, "/v1/autoscaler");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str::<serde_json::Value>(&body).unwrap()["signals"].clone()
+}
+
+/// Each second: the replicas and the autoscaler's signals, for the report.
+struct Timeline {
+    t0: Instant,
+    rows: Vec<serde_json::Value>,
+}
+
+impl Timeline {
+    /// Record each second until `done` holds (within `within`).
+    async fn until(&mut self, mesh: &Mesh, what: &str, within: Duration, done: impl Fn((usize, usize)) -> bool) {
+        let start = Instant::now();
+        loop {
+            let now = replicas(mesh).await;
+            let row = serde_json::json!({
+                "t_s": self.t0.elapsed().as_secs_f64(), "phase": what, "prefill": now.0, "decode": now.1,
+                "signals": signals(mesh).await,
+            });
+            println!("{row}");
+            self.rows.push(row);
+            if done(now) {
+                return;
+            }
+            assert!(start.elapsed() < within, "{what}: not within {within:?}; replicas {now:?}");
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        assert!(start.elapsed() < within, "{what}: not within {within:?}; replicas {now:?}");
-        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+
+    /// The plot: replicas per kind, and TTFT p90, prefill queue wait p90
+    /// and decode step p90 beneath, beside `prefix` (PNG and SVG).
+    fn plot(&self, prefix: &std::path::Path) -> Vec<std::path::PathBuf> {
+        use pdmesh_loadtest::plot::{write_series, Panel};
+        let series = |label: &str, f: &dyn Fn(&serde_json::Value) -> Option<f64>| {
+            let pts = self.rows.iter().filter_map(|r| Some((r["t_s"].as_f64()?, f(r)?))).collect();
+            (label.to_string(), pts)
+        };
+        let sig = |k: &'static str| move |r: &serde_json::Value| r["signals"][k].as_f64();
+        let panels = [
+            Panel {
+                y_desc: "replicas".into(),
+                series: vec![
+                    series("prefill", &|r| r["prefill"].as_f64()),
+                    series("decode", &|r| r["decode"].as_f64()),
+                ],
+            },
+            Panel {
+                y_desc: "seconds (p90 over 4 s)".into(),
+                series: vec![
+                    series("TTFT", &sig("ttft_p90_s")),
+                    series("prefill queue wait", &sig("prefill_queue_wait_p90_s")),
+                    series("decode step", &sig("decode_inter_token_p90_s")),
+                ],
+            },
+        ];
+        write_series(prefix, "meshctl up --autoscale: prefill-heavy, then decode-heavy, then idle", &panels).unwrap()
     }
 }
 
@@ -71,29 +117,36 @@ async fn the_autoscaler_follows_a_prefill_heavy_then_a_decode_heavy_load_and_fai
     let policy = dir.join("policy.toml");
     std::fs::write(&policy, POLICY).unwrap();
     let mesh = tokio::task::block_in_place(|| Mesh::up(&["--autoscale", policy.to_str().unwrap()]));
-    let t0 = Instant::now();
+    let mut tl = Timeline { t0: Instant::now(), rows: Vec::new() };
     // Long prompts that no cache can reuse, one token each.
     let report = dir.join("prefill.json");
     let long =
         [("--concurrency", "4"), ("--max-tokens", "2"), ("--unique-prompts", ""), ("--system-prompt-tokens", "300")];
     let load = start_load(&mesh.gateway, &report, &long);
-    until(&mesh, t0, "prefill-heavy", Duration::from_secs(60), |(p, _)| p == 2).await;
+    tl.until(&mesh, "prefill-heavy", Duration::from_secs(60), |(p, _)| p == 2).await;
     let (point, _) = tokio::task::block_in_place(|| stop_load(load, &report));
     no_failures(&point, "prefill-heavy");
     // Short prompts, long answers.
     let report = dir.join("decode.json");
     let load =
         start_load(&mesh.gateway, &report, &[("--concurrency", "8"), ("--max-tokens", "128"), ("--ignore-eos", "")]);
-    until(&mesh, t0, "decode-heavy", Duration::from_secs(120), |(p, d)| d == 2 && p == 1).await;
+    tl.until(&mesh, "decode-heavy", Duration::from_secs(120), |(p, d)| d == 2 && p == 1).await;
     let (point, _) = tokio::task::block_in_place(|| stop_load(load, &report));
     no_failures(&point, "decode-heavy");
-    until(&mesh, t0, "idle", Duration::from_secs(60), |now| now == (1, 1)).await;
+    tl.until(&mesh, "idle", Duration::from_secs(60), |now| now == (1, 1)).await;
     let status = tokio::task::block_in_place(|| {
         let reg = mesh.dir.join("registry").display().to_string();
         meshctl_ok(&["status", "--json"], &["--registry-dir", &reg])
     });
     let kinds = status["autoscaler"]["kinds"].as_array().cloned().unwrap_or_default();
     assert_eq!(kinds.len(), 2, "meshctl status shows the autoscaler: {status:#}");
+    // The report's plot (PDMESH_AUTOSCALE_REPORT=docs/benchmarks/autoscale
+    // keeps it and the rows; otherwise it is drawn and thrown away).
+    let prefix = std::env::var_os("PDMESH_AUTOSCALE_REPORT").map_or(dir.join("autoscale"), std::path::PathBuf::from);
+    let files = tl.plot(&prefix);
+    assert!(files.iter().all(|f| std::fs::metadata(f).is_ok_and(|m| m.len() > 1000)), "{files:?}");
+    let rows: Vec<String> = tl.rows.iter().map(|r| r.to_string()).collect();
+    std::fs::write(prefix.with_extension("jsonl"), rows.join("\n") + "\n").unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
 
