@@ -36,6 +36,14 @@ pub const CROWDED_SHARE: f64 = 0.2;
 /// ... for this long.
 pub const CROWDED_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// [`CROWDED_SHARE`], or `PDMESH_POOL_CROWDED_SHARE` (above 1: never crowded).
+fn crowded_share() -> f64 {
+    static V: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("PDMESH_POOL_CROWDED_SHARE").ok().and_then(|v| v.parse().ok()).unwrap_or(CROWDED_SHARE)
+    })
+}
+
 /// Low bits of the epoch word that hold a loop's thread count.
 const PARTICIPANT_BITS: u32 = 8;
 const PARTICIPANT_MASK: u64 = (1 << PARTICIPANT_BITS) - 1;
@@ -327,7 +335,7 @@ impl PoolShare {
     /// stops spinning (its threads park after each loop; the caller yields
     /// while it waits), so it does not take the cores others wait for.
     pub fn note_cpu_wait(&self, share: f64) {
-        if share >= CROWDED_SHARE {
+        if share >= crowded_share() {
             let until = self.shared.born.elapsed() + CROWDED_FOR;
             self.shared.crowded_until.store(until.as_nanos() as u64, Ordering::Relaxed);
         }
