@@ -1,7 +1,8 @@
 //! The router call behind one API request, and its failover. Nothing has
 //! reached the client before the router's first event, so a router that
 //! cannot be reached, or dies first, is asked again (the restarted one or
-//! another) for up to `ROUTER_PATIENCE`. A router lost after tokens
+//! another) for up to `ROUTER_PATIENCE` from its loss (a router that held
+//! a call for seconds before dying leaves the next the full patience). A router lost after tokens
 //! reached the client is replaced too: the request is sent again to another
 //! router with the token ids streamed so far (`resume_ids`), which goes on
 //! after them, so the client sees one unbroken answer.
@@ -178,12 +179,15 @@ type Opened = (tonic::Streaming<pb::GenerateResponse>, Option<pb::GenerateRespon
 /// A router call up to its first event, asking again (the same router
 /// restarted, or another) while none can be reached, for `ROUTER_PATIENCE`.
 async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) -> Result<Opened, Refused> {
-    let t0 = Instant::now();
-    let patience = ROUTER_PATIENCE.min(until.saturating_duration_since(t0));
+    // The patience runs from the last time a router held the call: one that
+    // took it up and died seconds later (a long wait for the first token)
+    // leaves the full patience for the next.
+    let mut t0 = Instant::now();
+    let patience = |from: Instant| ROUTER_PATIENCE.min(until.saturating_duration_since(from));
     let mut attempt = 0usize;
     loop {
         let left = until.saturating_duration_since(Instant::now());
-        let wait = patience.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
+        let wait = patience(t0).saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
         let list = routers.wait_any(wait).await.ok_or(Refused::NoRouter)?;
         let inst = &list[attempt % list.len()];
         let ch = routers.channel(inst).map_err(Refused::Internal)?;
@@ -197,12 +201,16 @@ async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) ->
             let first = s.message().await?;
             Ok::<_, tonic::Status>((s, first))
         };
+        let sent = Instant::now();
         match tokio::time::timeout(left + DEADLINE_SLACK, opened.instrument(rpc.clone())).await {
             Ok(Ok((stream, first))) => return Ok((stream, first, rpc, inst.id.clone())),
             Ok(Err(s)) => {
                 telemetry::record_status(&rpc, Some(&s));
+                if sent.elapsed() >= ROUTER_RETRY {
+                    t0 = Instant::now(); // it held the call a while: lost, not unreachable
+                }
                 let again = t0.elapsed() + ROUTER_RETRY;
-                if pdmesh_core::grpc::is_transport(&s) && again < patience {
+                if pdmesh_core::grpc::is_transport(&s) && again < patience(t0) {
                     tokio::time::sleep(ROUTER_RETRY).await;
                     continue;
                 }

@@ -207,3 +207,35 @@ async fn a_router_lost_mid_stream_is_resumed_after_the_tokens_sent() {
     f.assert_whole(6);
     assert_eq!(f.second[0].resume_ids, vec![100, 101], "resumed after the 2 tokens sent");
 }
+
+/// A router that took the call up and died before its first event, after
+/// longer than the gateway's patience for an unreachable router (a long
+/// wait for the first token under load), is replaced like one that could
+/// not be reached: the patience runs from the loss, not from the call.
+/// (The chaos test once saw 6 such requests answered 503 on a slow host.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_lost_before_its_first_event_after_a_long_wait_is_replaced() {
+    let (first, first_seen) = fake_router(Some(0)).await;
+    let (second, second_seen) = fake_router(None).await;
+    let relay = Relay::to(first.addr.to_string()).await;
+    let gw = gateway(&[&relay.addr, &second.addr.to_string()]).await;
+    let addr = gw.addr.to_string();
+    let client = tokio::task::spawn_blocking(move || {
+        let body = r#"{"model":"smollm2-135m-instruct","max_tokens":3,"messages":[{"role":"user","content":"hi"}]}"#;
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+        let mut got = String::new();
+        s.read_to_string(&mut got).unwrap();
+        got
+    });
+    // Past the 3 s the gateway waits for a router it cannot reach.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(first_seen.lock().unwrap().len(), 1, "the first router holds the call");
+    relay.cut();
+    let got = client.await.unwrap();
+    gw.stop().await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("<100><101><102>"), "{got}");
+    assert_eq!(second_seen.lock().unwrap().len(), 1);
+}
