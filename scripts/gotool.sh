@@ -8,6 +8,8 @@
 #                      web UI's built files are not in the module). ~4 min.
 #   gotool.sh consul   Consul v1.16.1, the last 1.16 release under MPL-2.0
 #                      (1.16.2 on are under the BUSL, not to be used). ~3.5 min.
+#   gotool.sh helm     Helm v4.3.2 (Apache-2.0): lints and renders
+#                      infra/helm/pdmesh in the tests.
 #
 # `go install MODULE@VERSION` refuses both ("The go.mod file for the module
 # providing named packages contains one or more replace directives"), so
@@ -17,11 +19,12 @@
 # dropped, so the versions its go.mod requires come from the proxy (all
 # MPL-2.0 at those versions).
 set -euo pipefail
-tool=${1:?usage: gotool.sh jaeger|consul}
+tool=${1:?usage: gotool.sh jaeger|consul|helm}
 case "$tool" in
   jaeger) module=github.com/jaegertracing/jaeger; version=v1.75.0; pkg=./cmd/jaeger ;;
   consul) module=github.com/hashicorp/consul; version=v1.16.1; pkg=. ;;
-  *) echo "gotool.sh: unknown tool $tool (jaeger or consul)" >&2; exit 2 ;;
+  helm) module=helm.sh/helm/v4; version=v4.3.2; pkg=./cmd/helm ;;
+  *) echo "gotool.sh: unknown tool $tool (jaeger, consul or helm)" >&2; exit 2 ;;
 esac
 cache="${PDMESH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdmesh}"
 out="$cache/$tool-$version/$tool"

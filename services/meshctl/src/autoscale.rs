@@ -316,8 +316,14 @@ pub struct Args {
     pub policy: std::path::PathBuf,
     /// Print the decisions and their reasons; change nothing (to act, run
     /// `meshctl up --autoscale POLICY.toml`).
-    #[arg(long, required = true)]
+    #[arg(long, required_unless_present = "advise", conflicts_with = "advise")]
     pub dry_run: bool,
+    /// Advise mode: serve the planner's desired replicas on this address
+    /// (`/metrics`: `pdmesh_autoscaler_desired_replicas{kind}` for a KEDA
+    /// ScaledObject or an HPA on an external metric; `/v1/autoscaler`;
+    /// `/health`) and log its decisions; change nothing. Runs until stopped.
+    #[arg(long, value_name = "ADDR")]
+    pub advise: Option<String>,
     /// Samples to take, one per `timing.interval_s` (the first only sets
     /// the window's start: rates and p90s need two).
     #[arg(long, default_value_t = 3)]
@@ -329,11 +335,41 @@ pub struct Args {
     pub discovery: pdmesh_core::discovery::DiscoveryArgs,
 }
 
+/// `meshctl autoscale --advise ADDR`: the planner on the mesh in
+/// discovery, its state served for an external scaler, until stopped.
+async fn advise(policy: Policy, reg: Arc<dyn Discovery>, addr: &str) -> Result<(), String> {
+    let state = Shared::default();
+    let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("--advise {addr}: {e}"))?;
+    let s2 = state.clone();
+    let app = axum::Router::new()
+        .route("/health", axum::routing::get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            axum::routing::get(move || std::future::ready(s2.lock().unwrap_or_else(|e| e.into_inner()).render())),
+        )
+        .route("/v1/autoscaler", {
+            let s3 = state.clone();
+            axum::routing::get(move || {
+                std::future::ready(s3.lock().unwrap_or_else(|e| e.into_inner()).json().to_string())
+            })
+        });
+    eprintln!("meshctl: advising on http://{addr}/metrics (pdmesh_autoscaler_desired_replicas)");
+    let collector = Collector::new(reg, &policy);
+    tokio::select! {
+        r = axum::serve(l, app) => r.map_err(|e| e.to_string()),
+        () = drive(policy, collector, state, None, |_| {}) => Ok(()),
+        () = pdmesh_core::signal::shutdown_signal() => Ok(()),
+    }
+}
+
 /// `meshctl autoscale --dry-run`: sample the running mesh and print what
-/// the planner decides, and why, without acting.
+/// the planner decides, and why, without acting (or `--advise`).
 pub async fn cmd(a: Args) -> Result<(), String> {
     let policy = Policy::load(&a.policy)?;
     let reg = a.discovery.open_or_default()?;
+    if let Some(addr) = &a.advise {
+        return advise(policy, reg, addr).await;
+    }
     if reg.healthy("router").await.map_err(|e| e.to_string())?.is_empty() {
         return Err(format!("no running mesh in {}", reg.describe()));
     }

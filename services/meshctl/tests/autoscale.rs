@@ -165,3 +165,42 @@ fn a_bad_policy_is_refused_before_anything_starts() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/policy.toml"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Advise mode (`meshctl autoscale --advise`, as the Helm chart runs it):
+/// the planner's desired replicas on /metrics for KEDA or an HPA. Here on
+/// an empty registry: no signals, so each kind is brought to its minimum
+/// and held there, and nothing else is decided.
+#[test]
+fn advise_mode_serves_the_desired_replicas_for_an_external_scaler() {
+    let dir = std::env::temp_dir().join(format!("pdmesh-autoscale-advise-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("registry")).unwrap();
+    let policy = dir.join("policy.toml");
+    std::fs::write(&policy, "[timing]\ninterval_s = 0.2\n[prefill]\nmin = 1\nmax = 3\n[decode]\nmin = 2\nmax = 3\n")
+        .unwrap();
+    let addr = free_addr();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_meshctl"))
+        .args(["autoscale", "--policy", policy.to_str().unwrap(), "--advise", &addr, "--registry-dir"])
+        .arg(dir.join("registry"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let metrics = loop {
+        let (code, body) =
+            pdmesh_core::http::get(&addr, "/metrics", Duration::from_secs(1)).unwrap_or((0, String::new()));
+        if code == 200 && body.contains("kind=\"decode\"") {
+            break body;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no desired replicas served: {code} {body}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(metrics.contains("pdmesh_autoscaler_desired_replicas{kind=\"prefill\"} 1"), "{metrics}");
+    assert!(metrics.contains("pdmesh_autoscaler_desired_replicas{kind=\"decode\"} 2"), "{metrics}");
+    assert!(
+        metrics.contains("pdmesh_autoscaler_decisions_total{kind=\"decode\",direction=\"up\",reason=\"min\"} 1"),
+        "{metrics}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -40,10 +40,6 @@ fn jaeger_or_skip(test: &str) -> Option<PathBuf> {
     bin
 }
 
-fn free_addr() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string()
-}
-
 /// GET from Jaeger's query API: (status, JSON).
 fn jaeger_get(ui: &str, path: &str) -> (u16, serde_json::Value) {
     let (code, body) = pdmesh_core::http::get(ui, path, Duration::from_secs(10)).unwrap();

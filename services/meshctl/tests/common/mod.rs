@@ -27,7 +27,7 @@ pub struct Mesh {
 
 static ONE_MESH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn free_addr() -> String {
+pub fn free_addr() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string()
 }
 
