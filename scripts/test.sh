@@ -12,12 +12,15 @@ bash scripts/deps.sh --apt prometheus openai==3.57.0 kubernetes-validate==1.37.0
 # here a missing NVRTC fails the kernel test instead of skipping it.
 PDMESH_NVRTC_LIB="$(python3 -c 'import os, nvidia.cuda_nvrtc as m; print(os.path.join(list(m.__path__)[0], "lib", "libnvrtc.so.12"))')"
 export PDMESH_NVRTC_LIB PDMESH_REQUIRE_NVRTC=1
-# Jaeger and Consul, built once per machine from their Go modules into the
-# pdmesh cache (about 4 and 3.5 min the first time): the tracing test reads
-# traces back from the real Jaeger, the discovery test runs on a real agent.
+# Jaeger, Consul and Helm, built once per machine from their Go modules
+# into the pdmesh cache (about 4, 3.5 and 4.7 min the first time): the
+# tracing test reads traces back from the real Jaeger, the discovery test
+# runs on a real agent, and Helm lints and renders infra/helm/pdmesh.
 PDMESH_JAEGER_BIN="$(bash scripts/gotool.sh jaeger)"
 PDMESH_CONSUL_BIN="$(bash scripts/gotool.sh consul)"
+PDMESH_HELM_BIN="$(bash scripts/gotool.sh helm)"
 export PDMESH_JAEGER_BIN PDMESH_REQUIRE_JAEGER=1 PDMESH_CONSUL_BIN PDMESH_REQUIRE_CONSUL=1
+export PDMESH_HELM_BIN PDMESH_REQUIRE_HELM=1
 cargo build --release --workspace --all-targets
 ./target/release/pdmesh-engine fetch
 ./target/release/pdmesh-engine fetch gemma3-270m
