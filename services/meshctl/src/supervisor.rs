@@ -335,6 +335,9 @@ impl Mesh {
             for old in self.live(kind) {
                 let new = self.add(kind).await?;
                 self.drain(std::slice::from_ref(&old)).await?;
+                // The new one started sharing the cores with the old: its share back.
+                let role = pdmesh_core::discovery::split_kind(kind).0;
+                self.reshare(role, self.sharing(role)).await;
                 replaced.push(json!({ "old": old, "new": new }));
             }
         }
