@@ -30,6 +30,12 @@ fn per_attempt(cause: Cause, all: &[Attempt], t: &Timeline) -> Vec<u64> {
     per
 }
 
+/// The attempt that spent the most on `cause`.
+fn busiest(cause: Cause, all: &[Attempt], t: &Timeline) -> usize {
+    let per = per_attempt(cause, all, t);
+    per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i)
+}
+
 fn evidence(spans: &[Option<&Span>]) -> Vec<Evidence> {
     spans.iter().flatten().map(|s| Evidence::of(s)).collect()
 }
@@ -43,7 +49,7 @@ pub fn detail(cause: Cause, all: &[Attempt], t: &Timeline) -> (String, Vec<Evide
             // The words from the attempt that spent the most on it; the
             // evidence from every attempt that spent any.
             let per = per_attempt(cause, all, t);
-            let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
+            let i = busiest(cause, all, t);
             let a = &all[i];
             let (mut line, _) = stage(cause, &a.marks, &a.spans);
             if let Some((j, worker, s)) = judged(cause, a) {
@@ -399,9 +405,7 @@ pub fn brief(cause: Cause, all: &[Attempt], t: &Timeline) -> String {
     if matches!(cause, Cause::Refused | Cause::Failed | Cause::BetweenAttempts) {
         return detail(cause, all, t).0;
     }
-    let per = per_attempt(cause, all, t);
-    let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
-    let a = &all[i];
+    let a = &all[busiest(cause, all, t)];
     let mut line = stage(cause, &a.marks, &a.spans).0.replace(NOT_TAKEN_UP, NOT_TAKEN_UP_BRIEF);
     if let Some((j, worker, _)) = judged(cause, a) {
         line += &format!("; {}", j.brief(&worker));
@@ -547,9 +551,9 @@ pub fn mishaps(spans: &[Span], all: &[Attempt], failed: (f64, f64), refused: (f6
 /// share, and its verdict where its steps were judged (the table has the
 /// evidence).
 pub fn then_clause(cause: Cause, part: &Part, total_ms: f64, all: &[Attempt], t: &Timeline) -> String {
-    let per = per_attempt(cause, all, t);
-    let i = per.iter().enumerate().max_by_key(|(_, n)| **n).map_or(0, |(i, _)| i);
-    let verdict = judged(cause, &all[i]).map(|(j, worker, _)| format!(", {}", j.verdict(&worker))).unwrap_or_default();
+    let verdict = judged(cause, &all[busiest(cause, all, t)])
+        .map(|(j, worker, _)| format!(", {}", j.verdict(&worker)))
+        .unwrap_or_default();
     format!(
         "{} took {:.0}% of the request ({:.0} of {total_ms:.0} ms){verdict}.",
         capitalise(part.cause),
