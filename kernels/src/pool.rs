@@ -78,6 +78,9 @@ struct Shared {
     /// waits for them.
     crowded_until: AtomicU64,
     born: std::time::Instant,
+    /// Loops begun, however many threads ran them: the engine's progress,
+    /// which a worker's watchdog reads (see [`PoolShare::loops`]).
+    loops: AtomicU64,
 }
 
 impl Shared {
@@ -118,6 +121,7 @@ impl Pool {
             crowded_until: AtomicU64::new(0),
             born: std::time::Instant::now(),
             resize: Condvar::new(),
+            loops: AtomicU64::new(0),
         });
         let workers = (1..threads)
             .map(|i| {
@@ -160,6 +164,7 @@ impl Pool {
         if n_tasks == 0 {
             return;
         }
+        self.shared.loops.fetch_add(1, Ordering::Relaxed);
         let participants = self.threads();
         if n_tasks == 1 || participants == 1 {
             (0..n_tasks).for_each(f);
@@ -344,6 +349,12 @@ impl PoolShare {
     /// Whether the pool holds back from spinning now.
     pub fn crowded(&self) -> bool {
         self.shared.crowded()
+    }
+
+    /// Parallel loops begun so far: it moves many times per engine step,
+    /// so a count that stands still means the step is stuck.
+    pub fn loops(&self) -> u64 {
+        self.shared.loops.load(Ordering::Relaxed)
     }
 }
 

@@ -179,12 +179,12 @@ impl Batcher {
         });
         let (tx, rx) = mpsc::channel();
         let s = stats.clone();
-        let (alive, guard) = pdmesh_worker::LoopAlive::start();
+        let (alive, guard) = pdmesh_worker::LoopAlive::start(Some(engine.pool_share()));
         std::thread::Builder::new()
             .name("decode-loop".into())
             .spawn(move || {
-                let _alive = guard;
                 Loop {
+                    alive: guard,
                     meter: Meter::new(&engine.pool_thread_ids(), s.step_costs.clone()).backing_off(engine.pool_share()),
                     engine,
                     max_batch: max_batch.max(1),
@@ -340,6 +340,8 @@ struct Prefilling {
 }
 
 struct Loop {
+    /// Held while the loop runs; each turn beats it (see [`pdmesh_worker::LoopAlive`]).
+    alive: pdmesh_worker::AliveGuard,
     engine: Engine,
     meter: Meter,
     max_batch: usize,
@@ -378,10 +380,12 @@ fn reason(f: FinishReason) -> i32 {
 impl Loop {
     fn run(mut self, rx: mpsc::Receiver<Cmd>) {
         loop {
-            // Idle: block for work. Busy: take what has arrived and step.
+            self.alive.beat();
+            pdmesh_worker::loop_stall_fault();
+            // Idle: block for work (waking to beat). Busy: take what has arrived and step.
             let idle = self.running.is_empty() && self.ready.is_empty() && self.prefilling.is_empty();
             let first = if idle {
-                match rx.recv_timeout(Duration::from_millis(500)) {
+                match rx.recv_timeout(pdmesh_worker::alive::IDLE_BEAT) {
                     Ok(c) => Some(c),
                     Err(RecvTimeoutError::Timeout) => None,
                     Err(RecvTimeoutError::Disconnected) => return,

@@ -135,7 +135,7 @@ pub async fn serve(
         admin,
         listener,
         shutdown,
-        pdmesh_worker::BrokerLink { agent, broker, engine: alive },
+        pdmesh_worker::BrokerLink { agent, broker, engine: alive, unhealthy_after: config.worker.unhealthy_after() },
     )
     .await;
     stop_progress.store(true, Ordering::Relaxed);

@@ -382,6 +382,8 @@ impl pb::decode_server::Decode for Service {
             kv_blocks_pinned: st.kv_reserved.load(Ordering::Relaxed),
             prefix_cache: st.prefix.delta(req.cache_epoch, req.cache_seq),
             local_prefilling: local,
+            stalled_ms: self.batcher.alive.stalled().as_millis() as u32,
+            step_ms: st.step_costs.recent_ms(),
         }))
     }
 }

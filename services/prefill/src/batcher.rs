@@ -156,12 +156,12 @@ impl Batcher {
         });
         let q = Arc::new(Queue { state: Mutex::new(State::default()), wake: Condvar::new() });
         let (q2, s2) = (q.clone(), stats.clone());
-        let (alive, guard) = pdmesh_worker::LoopAlive::start();
+        let (alive, guard) = pdmesh_worker::LoopAlive::start(Some(engine.pool_share()));
         std::thread::Builder::new()
             .name("prefill-loop".into())
             .spawn(move || {
-                let _alive = guard;
                 run(Loop {
+                    alive: guard,
                     meter: Meter::new(&engine.pool_thread_ids(), s2.step_costs.clone())
                         .backing_off(engine.pool_share()),
                     engine,
@@ -356,6 +356,8 @@ impl Pace {
 /// The prefill loop's own state: the engine, the queue it serves, the
 /// prompts being computed, and the blocks pinned for transfers.
 struct Loop {
+    /// Held while the loop runs; each turn beats it (see [`pdmesh_worker::LoopAlive`]).
+    alive: pdmesh_worker::AliveGuard,
     engine: Engine,
     meter: Meter,
     q: Arc<Queue>,
@@ -375,6 +377,7 @@ struct Loop {
 fn run(mut l: Loop) {
     while let Some(cmds) = l.wait() {
         pdmesh_worker::loop_panic_fault();
+        pdmesh_worker::loop_stall_fault();
         l.apply(cmds);
         l.drop_gone();
         l.admit_queued();
@@ -395,6 +398,7 @@ impl Loop {
         let q = self.q.clone();
         let mut g = q.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
+            self.alive.beat();
             if g.stop {
                 return None;
             }
@@ -406,7 +410,8 @@ impl Loop {
             match g.jobs.front().map(|j| j.enqueued.elapsed()) {
                 Some(waited) if waited >= hold => return Some(Vec::new()),
                 Some(waited) => g = q.wake.wait_timeout(g, hold - waited).unwrap_or_else(|e| e.into_inner()).0,
-                None => g = q.wake.wait(g).unwrap_or_else(|e| e.into_inner()),
+                // Idle: wake now and then to beat.
+                None => g = q.wake.wait_timeout(g, pdmesh_worker::alive::IDLE_BEAT).unwrap_or_else(|e| e.into_inner()).0,
             }
         }
     }

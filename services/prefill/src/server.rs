@@ -125,6 +125,8 @@ impl pb::prefill_server::Prefill for Service {
             prefix_cache: st.prefix.delta(req.cache_epoch, req.cache_seq),
             queued_tokens: st.queued_tokens.load(Ordering::Relaxed),
             expected_wait_ms: st.expected_wait_ms.load(Ordering::Relaxed),
+            stalled_ms: self.batcher.alive.stalled().as_millis() as u32,
+            step_ms: st.step_costs.recent_ms(),
         }))
     }
 }

@@ -67,6 +67,25 @@ pub struct Config {
     /// RESOURCE_EXHAUSTED (HTTP 429 `router_busy` at the gateway).
     #[arg(long, env = "PDMESH_ROUTER_MAX_IN_FLIGHT", default_value_t = 4096)]
     pub max_in_flight: u64,
+    /// Patience for a worker that stops making progress, in ms: a stream
+    /// with no token for this long (or `--stall-steps` of the worker's
+    /// recent step time, if longer), on a worker that has not answered its
+    /// load poll for as long or says its engine loop is stuck, moves to
+    /// another worker (no token repeated) and the worker is ejected.
+    #[arg(long, env = "PDMESH_ROUTER_STALL_FLOOR_MS", default_value_t = 1000)]
+    pub stall_floor_ms: u64,
+    /// Patience in steps of the worker's own recent step time (see `--stall-floor-ms`).
+    #[arg(long, env = "PDMESH_ROUTER_STALL_STEPS", default_value_t = 8)]
+    pub stall_steps: u32,
+    /// A worker whose call stalled or was lost is left out of picking this
+    /// long (ms), doubling with each such strike in a row up to
+    /// `--eject-max-ms`; then it is probed with one request at a time until
+    /// one is served to its end.
+    #[arg(long, env = "PDMESH_ROUTER_EJECT_MS", default_value_t = 1000)]
+    pub eject_ms: u64,
+    /// Longest ejection, in ms (see `--eject-ms`).
+    #[arg(long, env = "PDMESH_ROUTER_EJECT_MAX_MS", default_value_t = 30_000)]
+    pub eject_max_ms: u64,
     /// Most stop strings per request (default: the gateway's, OpenAI's 4).
     #[arg(long, env = "PDMESH_ROUTER_MAX_STOP", default_value_t = pdmesh_core::vocab::limits::MAX_STOP_STRINGS)]
     pub max_stop: usize,
@@ -100,6 +119,25 @@ impl Policy {
 }
 
 impl Config {
+    /// The stall and ejection knobs, checked.
+    pub fn outlier_knobs(&self) -> Result<crate::outlier::Knobs, String> {
+        if self.stall_floor_ms < 100 {
+            return Err(format!("--stall-floor-ms must be at least 100, got {}", self.stall_floor_ms));
+        }
+        if self.eject_ms == 0 || self.eject_max_ms < self.eject_ms {
+            return Err(format!(
+                "--eject-ms must be above 0 and at most --eject-max-ms, got {} and {}",
+                self.eject_ms, self.eject_max_ms
+            ));
+        }
+        Ok(crate::outlier::Knobs {
+            floor: std::time::Duration::from_millis(self.stall_floor_ms),
+            steps: self.stall_steps,
+            eject: std::time::Duration::from_millis(self.eject_ms),
+            eject_max: std::time::Duration::from_millis(self.eject_max_ms),
+        })
+    }
+
     /// The policy the flags describe, or what is wrong with them.
     pub fn policy(&self) -> Result<Policy, String> {
         if !(0.0..=1.0).contains(&self.cache_threshold) {

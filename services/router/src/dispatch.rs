@@ -18,6 +18,7 @@ use tonic::transport::Channel;
 use tonic::Status;
 use tracing::Instrument;
 
+use crate::stall::Kind;
 use crate::error::{decode_refusal, retryable, Error};
 use crate::load::{Busy, Overlap, Prompt};
 use crate::pick::{cache_aware, least_busy, prefill_mode, Branch, Candidate, Mode};
@@ -341,8 +342,12 @@ impl Router {
                 _ => Err(Error::Internal("decode worker did not admit the request".into()).into()),
             }
         }
-        .instrument(dspan.clone())
-        .await;
+        .instrument(dspan.clone());
+        // A decode worker that stopped does not answer: go elsewhere.
+        let opened = tokio::select! {
+            r = opened => r,
+            s = self.loads.stopped(&d.inst.grpc_addr) => Err(self.stalled(Kind::Decode, &d.inst.grpc_addr, &d.inst.id, s)),
+        };
         match opened {
             Ok((stream, cached_tokens)) => {
                 let (p_id, prefill_addr, p_busy) = match source {

@@ -10,9 +10,11 @@ mod dispatch;
 mod error;
 mod flow;
 mod load;
+pub mod outlier;
 pub mod pick;
 mod relay;
 pub mod server;
+mod stall;
 pub mod state;
 pub mod stop;
 mod validate;
@@ -86,7 +88,32 @@ fn render(m: &Metrics, f: Format) -> String {
         t.counter(name, help, value.load(Ordering::Relaxed));
     }
     m.outcomes.render(&mut t, metric::router::REQUESTS_TOTAL, "Finished requests by outcome.");
+    let by_kind = |v: &[AtomicU64; 2]| -> Vec<(&str, f64)> {
+        stall::Kind::ALL.iter().map(|k| (k.label(), v[*k as usize].load(Ordering::Relaxed) as f64)).collect()
+    };
+    let families: [(&str, &str, &str, &[AtomicU64; 2]); 3] = [
+        (metric::router::STALLS_TOTAL, "counter", "Calls moved off a worker that stopped making progress (no load answer, or its engine loop stuck, past the patience).", &m.stalls),
+        (metric::router::EJECTIONS_TOTAL, "counter", "Strikes that left a worker out of picking: a stalled or lost call.", &m.ejections),
+        (metric::router::WORKERS_OUT, "gauge", "Workers out of picking now: ejected, on probation or silent (details in /statusz runtime.workers_out).", &m.workers_out),
+    ];
+    for (name, kind, help, v) in families {
+        t.labelled(name, kind, help, "kind", &by_kind(v));
+    }
     t.finish()
+}
+
+/// Keep /statusz `runtime.workers_out` (which workers this router leaves
+/// out of picking, and why) and its gauge current, every half second.
+async fn report_outliers(router: Arc<Router>, admin: AdminState) {
+    loop {
+        let r = load::lock(&router.loads.outliers).report(std::time::Instant::now());
+        for k in stall::Kind::ALL {
+            let n = r.iter().filter(|w| w["kind"] == k.label()).count();
+            router.metrics.workers_out[k as usize].store(n as u64, Ordering::Relaxed);
+        }
+        admin.note("workers_out", serde_json::Value::Array(r));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Serve the router on `listener` until `shutdown` resolves. Healthy once
@@ -97,6 +124,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let policy = config.policy().map_err(ServeError::Setup)?;
+    let knobs = config.outlier_knobs().map_err(ServeError::Setup)?;
     let metrics = Arc::new(Metrics::default());
     let m2 = metrics.clone();
     let admin = AdminState::new("router", serde_json::json!({ "config": config }), Arc::new(move |f| render(&m2, f)));
@@ -116,7 +144,7 @@ pub async fn serve(
         policy,
         max_local_prefill: config.max_local_prefill,
         metrics,
-        loads: Default::default(),
+        loads: Arc::new(load::Loads::new(knobs)),
         info: Default::default(),
         next_id: Default::default(),
         next_ticket: Default::default(),
@@ -124,6 +152,7 @@ pub async fn serve(
     let workers = [router.prefill.clone(), router.decode.clone()];
     let poll = load::poll_loads(router.loads.clone(), workers, Duration::from_millis(250));
     let _poller = state::AbortOnDrop(tokio::spawn(poll));
+    let _report = state::AbortOnDrop(tokio::spawn(report_outliers(router.clone(), admin.state.clone())));
     let routes = tonic::service::Routes::new(pb::router_server::RouterServer::new(server::Service(router.clone())));
     let grpc = Grpc { service: "router", name: "pdmesh.router.v1.Router", routes, hand_over: None };
     // Ready once every kind of worker is reachable.

@@ -5,7 +5,7 @@
 //! (so other routers' requests count, and a restarted worker's empty cache
 //! is known at the next poll).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -18,14 +18,18 @@ use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_proto::prefill::v1 as ppb;
 use tonic::Request;
 
+use crate::outlier::{Outliers, Silence, Standing};
 use crate::pick::{Candidate, Polled};
+use crate::state::AbortOnDrop;
 
-/// This router's in-flight counts and the workers' polled loads, by address.
+/// This router's in-flight counts and the workers' polled loads, by
+/// address, and its own evidence of which workers have stopped.
 #[derive(Default)]
 pub struct Loads {
     local: Arc<Mutex<HashMap<String, u32>>>,
     polled: Mutex<HashMap<String, Polled>>,
     caches: Mutex<HashMap<String, WorkerCache>>,
+    pub outliers: Mutex<Outliers>,
 }
 
 /// What the router knows of one worker's prefix cache.
@@ -38,6 +42,9 @@ struct WorkerCache {
     /// log reports them (a burst of equal prompts sticks together).
     sent: HashMap<BlockHash, Instant>,
 }
+
+/// How often a call in progress checks whether its worker has stopped.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 /// How long blocks this router sent count as held before the worker's
 /// own log confirms them.
@@ -83,20 +90,58 @@ impl Drop for Busy {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Loads {
+    /// No load known yet; workers judged with `knobs`.
+    pub fn new(knobs: crate::outlier::Knobs) -> Loads {
+        Loads { outliers: Mutex::new(Outliers::new(knobs)), ..Default::default() }
+    }
+
     /// Choose one of `list` with `policy` and count a request against it
     /// until the returned guard drops (one lock: concurrent picks see each
     /// other). Returns the index and what the policy knew of it.
+    /// Workers the router has evidence against are passed over while
+    /// better ones are left: ejected ones, then silent ones, are picked
+    /// only when nothing else is; one on probation takes one request at a time.
     pub fn pick<B>(
         &self,
         list: &[Instance],
         tried: &[String],
         prompt: Option<Prompt<'_>>,
-        policy: impl FnOnce(&[Candidate], &Overlap) -> Option<(usize, B)>,
+        policy: impl Fn(&[Candidate], &Overlap) -> Option<(usize, B)>,
+    ) -> Option<(usize, Candidate, Overlap, B, Busy)> {
+        let now = Instant::now();
+        let standing: Vec<Standing> = {
+            let o = lock(&self.outliers);
+            let busy = lock(&self.local);
+            list.iter()
+                .map(|i| match o.standing(&i.grpc_addr, now) {
+                    Standing::Probe if busy.get(&i.grpc_addr).copied().unwrap_or(0) > 0 => Standing::Ejected,
+                    s => s,
+                })
+                .collect()
+        };
+        [Standing::Probe, Standing::Ejected, Standing::Silent].into_iter().find_map(|worst| {
+            let shut: Vec<String> = list
+                .iter()
+                .zip(&standing)
+                .filter(|(_, s)| **s > worst)
+                .map(|(i, _)| i.grpc_addr.clone())
+                .chain(tried.iter().cloned())
+                .collect();
+            self.pick_among(list, &shut, prompt.as_ref(), &policy)
+        })
+    }
+
+    fn pick_among<B>(
+        &self,
+        list: &[Instance],
+        tried: &[String],
+        prompt: Option<&Prompt<'_>>,
+        policy: &impl Fn(&[Candidate], &Overlap) -> Option<(usize, B)>,
     ) -> Option<(usize, Candidate, Overlap, B, Busy)> {
         let mut local = lock(&self.local);
         let mut caches = lock(&self.caches);
@@ -109,7 +154,7 @@ impl Loads {
             list.iter()
                 .map(|i| {
                     let cache = caches.get(&i.grpc_addr).filter(|c| c.block_size > 0);
-                    let overlap_blocks = match (&prompt, cache) {
+                    let overlap_blocks = match (prompt, cache) {
                         (Some(p), Some(c)) => {
                             let hashes = hashed
                                 .entry((c.seed, c.block_size))
@@ -129,7 +174,7 @@ impl Loads {
                 .collect()
         };
         let (i, branch) = policy(&candidates, &Overlap { prompt_blocks, block_size: 0 })?;
-        let remember = prompt.as_ref().is_some_and(|p| p.remember);
+        let remember = prompt.is_some_and(|p| p.remember);
         let addr = list[i].grpc_addr.clone();
         let mut overlap = Overlap::default();
         if let Some(c) = caches.get_mut(&addr) {
@@ -144,6 +189,23 @@ impl Loads {
         }
         *local.entry(addr.clone()).or_default() += 1;
         Some((i, candidates[i], overlap, branch, Busy { local: self.local.clone(), addr }))
+    }
+
+    /// Resolves once `addr` has stopped (see [`Outliers::silence`]) and
+    /// this has waited at least the worker's patience: race it against a
+    /// call to that worker, started when the call last heard from it.
+    pub async fn stopped(&self, addr: &str) -> Silence {
+        let t0 = Instant::now();
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            let now = Instant::now();
+            let o = lock(&self.outliers);
+            if now.duration_since(t0) >= o.patience(addr) {
+                if let Some(s) = o.silence(addr, now) {
+                    return s;
+                }
+            }
+        }
     }
 
     /// The cursor to poll `addr`'s prefix-cache log from.
@@ -182,46 +244,69 @@ impl Loads {
         });
     }
 
-    fn replace_polled(&self, fresh: HashMap<String, Polled>) {
-        // Forget the caches of workers no longer polled (gone, or moved).
-        lock(&self.caches).retain(|addr, _| fresh.contains_key(addr));
-        *lock(&self.polled) = fresh;
+    /// Forget what was known of workers no longer in discovery (gone, or moved).
+    fn forget_gone(&self, live: &HashSet<String>) {
+        lock(&self.caches).retain(|addr, _| live.contains(addr));
+        lock(&self.polled).retain(|addr, _| live.contains(addr));
+        lock(&self.outliers).retain(|addr| live.contains(addr));
     }
 }
 
-/// One worker's Load, or None when it did not answer within a second.
+/// One worker's Load, or None when it did not answer within a few
+/// seconds; its liveness goes to the outliers either way.
 async fn poll_one(loads: &Loads, peers: &Peers, inst: &Instance) -> Option<Polled> {
     let ch = peers.channel(inst).ok()?;
-    let timeout = Duration::from_secs(1);
-    let (cache_epoch, cache_seq) = loads.cache_cursor(&inst.grpc_addr);
+    let timeout = Duration::from_secs(5);
+    let addr = &inst.grpc_addr;
+    let (cache_epoch, cache_seq) = loads.cache_cursor(addr);
+    lock(&loads.outliers).asked(addr, (peers.service(), &inst.id), Instant::now());
+    let answered = |stalled_ms, step_ms| lock(&loads.outliers).answered(addr, Instant::now(), stalled_ms, step_ms);
     if peers.service() == "decode" {
         let mut req = Request::new(dpb::LoadRequest { cache_epoch, cache_seq });
         req.set_timeout(timeout);
         let l = dpb::decode_client::DecodeClient::new(ch).load(req).await.ok()?.into_inner();
-        loads.follow_cache(&inst.grpc_addr, l.prefix_cache);
+        answered(l.stalled_ms, l.step_ms);
+        loads.follow_cache(addr, l.prefix_cache);
         let kv_free = l.kv_blocks_total.saturating_sub(l.kv_blocks_used);
         return Some(Polled { busy: l.running + l.queued, kv_free, queued_tokens: 0 });
     }
     let mut req = Request::new(ppb::LoadRequest { cache_epoch, cache_seq });
     req.set_timeout(timeout);
     let l = ppb::prefill_client::PrefillClient::new(ch).load(req).await.ok()?.into_inner();
-    loads.follow_cache(&inst.grpc_addr, l.prefix_cache);
+    answered(l.stalled_ms, l.step_ms);
+    loads.follow_cache(addr, l.prefix_cache);
     let kv_free = l.kv_blocks_total.saturating_sub(l.kv_blocks_used);
     Some(Polled { busy: l.running + l.queued, kv_free, queued_tokens: l.queued_tokens })
 }
 
-/// Poll every prefill and decode worker's Load every `every`, forever.
-pub async fn poll_loads(loads: Arc<Loads>, workers: [Peers; 2], every: Duration) {
+/// Poll one worker's Load every `every`, until aborted. Each worker has
+/// its own poller, so one that does not answer delays no other.
+async fn poll_worker(loads: Arc<Loads>, peers: Peers, inst: Instance, every: Duration) {
     loop {
-        let mut fresh = HashMap::new();
+        if let Some(p) = poll_one(&loads, &peers, &inst).await {
+            lock(&loads.polled).insert(inst.grpc_addr.clone(), p);
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Keep a poller on every prefill and decode worker in discovery (each
+/// polls every `every`), and forget the workers that left, forever.
+pub async fn poll_loads(loads: Arc<Loads>, workers: [Peers; 2], every: Duration) {
+    let mut pollers: HashMap<String, AbortOnDrop<()>> = HashMap::new();
+    loop {
+        let mut live = HashSet::new();
         for peers in &workers {
             for inst in peers.instances() {
-                if let Some(p) = poll_one(&loads, peers, &inst).await {
-                    fresh.insert(inst.grpc_addr.clone(), p);
+                live.insert(inst.grpc_addr.clone());
+                if !pollers.contains_key(&inst.grpc_addr) {
+                    let task = tokio::spawn(poll_worker(loads.clone(), peers.clone(), inst.clone(), every));
+                    pollers.insert(inst.grpc_addr.clone(), AbortOnDrop(task));
                 }
             }
         }
-        loads.replace_polled(fresh);
+        pollers.retain(|a, _| live.contains(a));
+        loads.forget_gone(&live);
         tokio::time::sleep(every).await;
     }
 }

@@ -19,6 +19,7 @@ use tracing::Instrument;
 
 use crate::dispatch::{Dispatched, Handover, Pair};
 use crate::error::{decode_failure, decode_retryable, prefill_failure, prefill_retryable, Error};
+use crate::stall::Kind;
 use crate::state::{Router, Tx, PEER_RETRY, PEER_WAIT};
 use crate::stop::StopMatcher;
 use pdmesh_core::grpc::is_transport;
@@ -110,7 +111,7 @@ impl From<Status> for Failed {
 impl Router {
     /// Relay a dispatched request's tokens to `tx` until it finishes.
     pub async fn relay(&self, d: Dispatched, out: &mut Out, tx: &Tx) -> Result<(), Failed> {
-        let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, decode_addr, .. } = d;
+        let Dispatched { stream: mut dstream, mut prefill, pair, cached_tokens, decode_addr, prefill_addr } = d;
         // The prompt is the same on every dispatch (tokens already sent are
         // replayed, not prefilled): the latest worker's reuse counts.
         out.n_cached = cached_tokens;
@@ -118,8 +119,19 @@ impl Router {
         // Tokens the caller had before this dispatch (a migration's).
         let before = out.generated.len();
         loop {
+            // Until the first token the prefill worker may stop the stream too.
+            let waits_on_prefill = prefill.is_some() && out.generated.len() == before;
             let msg = tokio::select! {
                 m = dstream.message() => m,
+                s = self.loads.stopped(&decode_addr) => {
+                    let e = self.stalled(Kind::Decode, &decode_addr, &pair.workers[1], s);
+                    telemetry::record_status(pair.decode_rpc.span(), Some(&e));
+                    return Err(if out.generated.is_empty() { Failed::Decode(e, true) } else { Failed::Migrate(e) });
+                }
+                s = self.loads.stopped(prefill_addr.as_deref().unwrap_or_default()), if waits_on_prefill => {
+                    let addr = prefill_addr.as_deref().unwrap_or_default();
+                    return Err(Failed::Prefill(self.stalled(Kind::Prefill, addr, &pair.workers[0], s), true));
+                }
                 p = async { (&mut prefill.as_mut().expect("guarded").0).await }, if prefill.is_some() => {
                     prefill = None;
                     match p {
@@ -145,6 +157,9 @@ impl Router {
                 }
             };
             let lost = matches!(&msg, Err(e) if is_transport(e));
+            if lost {
+                self.lost(Kind::Decode, &decode_addr);
+            }
             let ev = match event(msg, &pair) {
                 Ok(ev) => ev,
                 Err(e) if out.generated.is_empty() && decode_retryable(&e) => return Err(Failed::Decode(e, lost)),
@@ -160,6 +175,7 @@ impl Router {
                 }
                 Some(dpb::generate_response::Event::Finished(f)) => {
                     telemetry::record_status(pair.decode_rpc.span(), None);
+                    self.served(&[decode_addr.as_str(), prefill_addr.as_deref().unwrap_or_default()]);
                     let reason = self.on_finished(out, f.reason, tx).await;
                     settle(prefill.take(), out).await;
                     return Ok(self.finish(tx, reason, out, &pair.workers).await?);

@@ -51,6 +51,12 @@ pub struct Metrics {
     /// those that replayed instead because the shipment failed.
     pub handovers: AtomicU64,
     pub handover_fallbacks: AtomicU64,
+    /// Calls ended because their worker stopped making progress, and
+    /// strikes that ejected a worker, by [`crate::stall::Kind`].
+    pub stalls: [AtomicU64; 2],
+    pub ejections: [AtomicU64; 2],
+    /// Workers out of picking now, by kind (refreshed with /statusz).
+    pub workers_out: [AtomicU64; 2],
 }
 
 impl Metrics {

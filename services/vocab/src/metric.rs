@@ -116,6 +116,12 @@ pub mod router {
     pub const HANDOVER_FALLBACKS_TOTAL: &str = name!("router", "handover_fallbacks_total");
     pub const KV_CORRUPT_RETRIES_TOTAL: &str = name!("router", "kv_corrupt_retries_total");
     pub const REQUESTS_TOTAL: &str = name!("router", "requests_total");
+    /// Streams moved off a worker that stopped making progress, by `kind`.
+    pub const STALLS_TOTAL: &str = name!("router", "stalls_total");
+    /// Workers left out of picking after a stall or a lost call, by `kind`.
+    pub const EJECTIONS_TOTAL: &str = name!("router", "ejections_total");
+    /// Workers out of picking now (ejected, on probation or silent), by `kind`.
+    pub const WORKERS_OUT: &str = name!("router", "workers_out");
 }
 
 pub mod tokenizer {

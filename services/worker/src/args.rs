@@ -13,12 +13,25 @@ pub struct WorkerArgs {
     /// kvbroker address(es); default: found in the registry.
     #[arg(long = "kvbroker-addr", env = "PDMESH_KVBROKER_ADDR", value_delimiter = ',')]
     pub kvbroker_addr: Vec<String>,
+    /// Health that means serving: /health (and so the registry entry and
+    /// gRPC health) fails while the engine loop has made no progress for
+    /// this many seconds (a stuck step, a hung device call), and passes
+    /// again once it moves. 0: never.
+    #[arg(long, env = "PDMESH_UNHEALTHY_AFTER_STALL_S", default_value_t = 10.0)]
+    pub unhealthy_after_stall_s: f64,
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
     pub transport: kv::TransportArgs,
     #[command(flatten)]
     pub common: pdmesh_core::args::CommonArgs,
+}
+
+impl WorkerArgs {
+    /// `--unhealthy-after-stall-s` as a duration (zero: never).
+    pub fn unhealthy_after(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.unhealthy_after_stall_s.clamp(0.0, 86_400.0))
+    }
 }
 
 /// Engine flags of a worker (each also an environment variable).

@@ -30,13 +30,26 @@ pub async fn serve_worker(
     let (ready_tx, mut ready_rx) = tokio::sync::watch::channel(false);
     let registrar = tokio::spawn(keep_registered(link.broker, link.agent, REGISTER_EVERY, ready_tx));
     let announced: Arc<Mutex<Option<Announced>>> = Arc::default();
+    let (progress, unhealthy_after) = (link.engine.clone(), link.unhealthy_after);
     let gate = async {
-        let mut was = false;
+        let (mut was, mut was_stuck) = (false, false);
         loop {
-            if ready_rx.changed().await.is_err() {
-                return;
+            tokio::select! {
+                r = ready_rx.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}
             }
-            let now = *ready_rx.borrow_and_update();
+            // In service while the broker knows it and its engine loop moves.
+            let stalled = progress.stalled();
+            let stuck = !unhealthy_after.is_zero() && stalled >= unhealthy_after;
+            if stuck != was_stuck {
+                was_stuck = stuck;
+                let s = stalled.as_secs_f64();
+                match stuck {
+                    true => eprintln!("pdmesh-{service}: the engine loop made no progress for {s:.1} s; out of service until it moves"),
+                    false => eprintln!("pdmesh-{service}: the engine loop moves again; back in service"),
+                }
+            }
+            let now = *ready_rx.borrow_and_update() && !stuck;
             if now == was {
                 continue;
             }

@@ -89,4 +89,7 @@ pub struct BrokerLink {
     /// The engine loop: if it stops, the worker leaves service and exits
     /// with an error, so that its supervisor starts a fresh one.
     pub engine: LoopAlive,
+    /// Out of service while the engine loop has made no progress this
+    /// long (`--unhealthy-after-stall-s`; zero: never).
+    pub unhealthy_after: std::time::Duration,
 }

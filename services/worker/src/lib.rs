@@ -15,7 +15,7 @@ pub mod prefix;
 pub mod steps;
 pub mod wire;
 
-pub use alive::{loop_panic_fault, AliveGuard, LoopAlive};
+pub use alive::{loop_panic_fault, loop_stall_fault, AliveGuard, LoopAlive};
 pub use args::{EngineArgs, KernelSpans, WorkerArgs};
 pub use boot::{boot, serve_worker, start_worker, Started, StatsSlot};
 pub use broker::{at_broker, broker, keep_registered, BrokerClient, BrokerLink, BROKER_RETRY, REGISTER_EVERY};

@@ -122,6 +122,8 @@ pub struct Counters {
     cpu_us: AtomicU64,
     runq_us: AtomicU64,
     starved: AtomicU64,
+    /// Recent steps' wall time, a running mean (the Load RPC reports it).
+    recent_us: AtomicU64,
 }
 
 impl Counters {
@@ -135,6 +137,15 @@ impl Counters {
             self.normal_us.fetch_add(us(n), Ordering::Relaxed);
         }
         self.starved.fetch_add(u64::from(s.starved()), Ordering::Relaxed);
+        // Only the loop's thread writes it: load and store is enough.
+        let old = self.recent_us.load(Ordering::Relaxed) as f64;
+        let new = if old == 0.0 { us(s.wall_ms) as f64 } else { 0.8 * old + 0.2 * us(s.wall_ms) as f64 };
+        self.recent_us.store(new as u64, Ordering::Relaxed);
+    }
+
+    /// What a step takes here lately (a running mean of wall times), in ms.
+    pub fn recent_ms(&self) -> u32 {
+        (self.recent_us.load(Ordering::Relaxed) / 1000) as u32
     }
 
     /// The step-cost families, named for this worker's kind.

@@ -1,0 +1,331 @@
+//! The router's own evidence about each worker, which wins over what
+//! discovery says: whether it answers its Load polls, whether its engine
+//! loop moves, and the stalls and losses its calls met. A worker that
+//! stops making progress is routed around: its streams move elsewhere
+//! ([`crate::relay`]) and it is ejected from picking for a backoff that
+//! doubles with each strike in a row, then probed with one request; a
+//! request it serves to the end clears its strikes.
+//!
+//! Pure bookkeeping over instants, so it is tested with no network.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The patience and ejection knobs (`--stall-floor-ms`, `--stall-steps`,
+/// `--eject-ms`, `--eject-max-ms`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Knobs {
+    pub floor: Duration,
+    pub steps: u32,
+    pub eject: Duration,
+    pub eject_max: Duration,
+}
+
+/// How far back `meshctl status` counts a worker's strikes.
+pub const RECENT: Duration = Duration::from_secs(10);
+
+/// Why a worker got a strike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strike {
+    /// A stream on it made no progress past its patience.
+    Stall,
+    /// A call to it failed at the transport (refused, reset, gone).
+    Lost,
+}
+
+impl Strike {
+    fn label(self, n: usize) -> &'static str {
+        match (self, n) {
+            (Strike::Stall, 1) => "stall",
+            (Strike::Stall, _) => "stalls",
+            (Strike::Lost, 1) => "lost call",
+            (Strike::Lost, _) => "lost calls",
+        }
+    }
+}
+
+/// Why a worker is taken to have stopped (see [`Outliers::silence`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Silence {
+    /// Its Load poll has gone unanswered this long.
+    Silent(Duration),
+    /// It answers, but says its engine loop has not moved for this long.
+    Stuck(Duration),
+}
+
+impl Silence {
+    /// In words, for the stalled stream's status and span.
+    pub fn describe(&self) -> String {
+        match self {
+            Silence::Silent(d) => format!("no answer to its load poll for {:.1} s", d.as_secs_f64()),
+            Silence::Stuck(d) => format!("its engine loop made no progress for {:.1} s", d.as_secs_f64()),
+        }
+    }
+}
+
+/// Where a worker stands for picking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Standing {
+    /// Pick freely.
+    Good,
+    /// Its ejection ended: one request at a time, until one succeeds.
+    Probe,
+    /// Ejected: picked only when nothing better is left.
+    Ejected,
+    /// Not answering or stuck: picked only when nothing else is left.
+    Silent,
+}
+
+#[derive(Debug, Default)]
+struct Evidence {
+    /// The worker's kind and name (its service id), for reports.
+    kind: String,
+    name: String,
+    /// Sent a Load that has not been answered yet, since then.
+    unanswered_since: Option<Instant>,
+    answered_at: Option<Instant>,
+    /// From its latest answer.
+    stalled_ms: u32,
+    step_ms: u32,
+    /// Strikes in a row (cleared by a request served to its end).
+    strikes: u32,
+    ejected_until: Option<Instant>,
+    /// Strikes of the last [`RECENT`], for the report.
+    recent: VecDeque<(Instant, Strike)>,
+}
+
+/// Every worker's evidence, by gRPC address.
+#[derive(Debug, Default)]
+pub struct Outliers {
+    knobs: Option<Knobs>,
+    by_addr: HashMap<String, Evidence>,
+}
+
+impl Outliers {
+    pub fn new(knobs: Knobs) -> Outliers {
+        Outliers { knobs: Some(knobs), by_addr: HashMap::new() }
+    }
+
+    fn knobs(&self) -> Knobs {
+        self.knobs.unwrap_or(Knobs {
+            floor: Duration::from_secs(1),
+            steps: 8,
+            eject: Duration::from_secs(1),
+            eject_max: Duration::from_secs(30),
+        })
+    }
+
+    /// A Load poll is about to be sent to `addr`, a `kind` worker named `name`.
+    pub fn asked(&mut self, addr: &str, (kind, name): (&str, &str), now: Instant) {
+        let e = self.by_addr.entry(addr.to_string()).or_default();
+        e.kind = kind.to_string();
+        e.name = name.to_string();
+        e.unanswered_since.get_or_insert(now);
+    }
+
+    /// `addr` answered its Load poll.
+    pub fn answered(&mut self, addr: &str, now: Instant, stalled_ms: u32, step_ms: u32) {
+        let e = self.by_addr.entry(addr.to_string()).or_default();
+        e.unanswered_since = None;
+        e.answered_at = Some(now);
+        e.stalled_ms = stalled_ms;
+        e.step_ms = step_ms;
+    }
+
+    /// Forget workers no longer in discovery.
+    pub fn retain(&mut self, live: impl Fn(&str) -> bool) {
+        self.by_addr.retain(|a, _| live(a));
+    }
+
+    /// How long a stream on `addr` may go without a token, and the worker
+    /// without progress, before it counts as stalled: the floor, or
+    /// `steps` of its recent step time if longer.
+    pub fn patience(&self, addr: &str) -> Duration {
+        let k = self.knobs();
+        let step = self.by_addr.get(addr).map_or(0, |e| e.step_ms);
+        k.floor.max(Duration::from_millis(u64::from(step) * u64::from(k.steps)))
+    }
+
+    /// Whether `addr` has stopped as far as the router can tell, at `now`:
+    /// a Load unanswered for its patience, or an answer saying its loop has
+    /// not moved for that long (counting the time since the answer).
+    pub fn silence(&self, addr: &str, now: Instant) -> Option<Silence> {
+        let e = self.by_addr.get(addr)?;
+        let patience = self.patience(addr);
+        if let Some(t) = e.unanswered_since {
+            let d = now.saturating_duration_since(t);
+            if d >= patience {
+                return Some(Silence::Silent(d));
+            }
+        }
+        if e.stalled_ms > 0 {
+            let since = e.answered_at.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+            let d = Duration::from_millis(u64::from(e.stalled_ms)) + since;
+            if d >= patience {
+                return Some(Silence::Stuck(d));
+            }
+        }
+        None
+    }
+
+    /// A strike against `addr`: ejected for the backoff (doubling with
+    /// each strike in a row, up to the most). Returns the ejection's length.
+    pub fn strike(&mut self, addr: &str, why: Strike, now: Instant) -> Duration {
+        let k = self.knobs();
+        let e = self.by_addr.entry(addr.to_string()).or_default();
+        e.strikes = e.strikes.saturating_add(1);
+        let factor = 1u32 << (e.strikes - 1).min(16);
+        let backoff = k.eject.saturating_mul(factor).min(k.eject_max);
+        e.ejected_until = Some(now + backoff);
+        e.recent.push_back((now, why));
+        while e.recent.front().is_some_and(|(t, _)| now.saturating_duration_since(*t) > RECENT) {
+            e.recent.pop_front();
+        }
+        backoff
+    }
+
+    /// A request `addr` served to its end: its strikes are cleared.
+    pub fn cleared(&mut self, addr: &str) {
+        if let Some(e) = self.by_addr.get_mut(addr) {
+            e.strikes = 0;
+            e.ejected_until = None;
+        }
+    }
+
+    /// Where `addr` stands for picking at `now`.
+    pub fn standing(&self, addr: &str, now: Instant) -> Standing {
+        let Some(e) = self.by_addr.get(addr) else { return Standing::Good };
+        if self.silence(addr, now).is_some() {
+            Standing::Silent
+        } else if e.ejected_until.is_some_and(|t| now < t) {
+            Standing::Ejected
+        } else if e.strikes > 0 {
+            Standing::Probe
+        } else {
+            Standing::Good
+        }
+    }
+
+    /// Workers out of picking now, each with why in words
+    /// (`3 stalls in 10 s; ejected for 4.0 s more`), for /statusz.
+    pub fn report(&self, now: Instant) -> Vec<serde_json::Value> {
+        let mut out: Vec<serde_json::Value> = self
+            .by_addr
+            .iter()
+            .filter(|(a, _)| self.standing(a, now) != Standing::Good)
+            .map(|(addr, e)| {
+                let standing = self.standing(addr, now);
+                serde_json::json!({
+                    "kind": e.kind,
+                    "worker": e.name,
+                    "addr": addr,
+                    "standing": format!("{standing:?}").to_lowercase(),
+                    "why": self.why(e, standing, addr, now),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a["worker"].as_str().cmp(&b["worker"].as_str()));
+        out
+    }
+
+    fn why(&self, e: &Evidence, standing: Standing, addr: &str, now: Instant) -> String {
+        let mut parts = Vec::new();
+        for kind in [Strike::Stall, Strike::Lost] {
+            let n = e.recent.iter().filter(|(t, s)| *s == kind && now.saturating_duration_since(*t) <= RECENT).count();
+            if n > 0 {
+                parts.push(format!("{n} {} in {} s", kind.label(n), RECENT.as_secs()));
+            }
+        }
+        match standing {
+            Standing::Silent => parts.push(self.silence(addr, now).map(|s| s.describe()).unwrap_or_default()),
+            Standing::Ejected => {
+                let left = e.ejected_until.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
+                parts.push(format!("ejected for {:.1} s more", left.as_secs_f64()));
+            }
+            Standing::Probe => parts.push("on probation: one request at a time".into()),
+            Standing::Good => {}
+        }
+        parts.join("; ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    fn knobs() -> Knobs {
+        Knobs { floor: MS(1000), steps: 8, eject: MS(1000), eject_max: MS(30_000) }
+    }
+
+    #[test]
+    fn an_unanswered_poll_is_silence_only_after_the_patience() {
+        let mut o = Outliers::new(knobs());
+        let t0 = Instant::now();
+        o.asked("a", ("decode", "decode-0"), t0);
+        o.answered("a", t0 + MS(5), 0, 20);
+        o.asked("a", ("decode", "decode-0"), t0 + MS(250));
+        assert_eq!(o.silence("a", t0 + MS(1200)), None);
+        assert_eq!(o.silence("a", t0 + MS(1250)), Some(Silence::Silent(MS(1000))));
+        // Asking again while unanswered keeps the first ask's time.
+        o.asked("a", ("decode", "decode-0"), t0 + MS(1300));
+        assert_eq!(o.standing("a", t0 + MS(1300)), Standing::Silent);
+        o.answered("a", t0 + MS(1400), 0, 20);
+        assert_eq!(o.standing("a", t0 + MS(1400)), Standing::Good);
+        assert_eq!(o.silence("nobody", t0), None, "a worker never polled is not judged");
+    }
+
+    #[test]
+    fn a_stuck_loop_counts_from_its_answer_and_slow_workers_get_more_patience() {
+        let mut o = Outliers::new(knobs());
+        let t0 = Instant::now();
+        o.answered("a", t0, 700, 20);
+        assert_eq!(o.silence("a", t0 + MS(200)), None);
+        assert_eq!(o.silence("a", t0 + MS(300)), Some(Silence::Stuck(MS(1000))));
+        // Steps of 250 ms: 8 of them (2 s) before a stall.
+        o.answered("b", t0, 1500, 250);
+        assert_eq!(o.patience("b"), MS(2000));
+        assert_eq!(o.silence("b", t0 + MS(400)), None);
+        assert!(o.silence("b", t0 + MS(500)).is_some());
+    }
+
+    #[test]
+    fn ejection_doubles_with_strikes_in_a_row_then_probes_and_clears() {
+        let mut o = Outliers::new(knobs());
+        let t0 = Instant::now();
+        o.answered("a", t0, 0, 10);
+        assert_eq!(o.strike("a", Strike::Stall, t0), MS(1000));
+        assert_eq!(o.standing("a", t0 + MS(999)), Standing::Ejected);
+        assert_eq!(o.standing("a", t0 + MS(1000)), Standing::Probe);
+        assert_eq!(o.strike("a", Strike::Stall, t0 + MS(1100)), MS(2000));
+        assert_eq!(o.strike("a", Strike::Lost, t0 + MS(1200)), MS(4000));
+        for _ in 0..10 {
+            o.strike("a", Strike::Stall, t0 + MS(1300));
+        }
+        assert_eq!(o.strike("a", Strike::Stall, t0 + MS(1300)), MS(30_000), "capped");
+        o.cleared("a");
+        assert_eq!(o.standing("a", t0 + MS(1400)), Standing::Good);
+        assert_eq!(o.strike("a", Strike::Stall, t0 + MS(1500)), MS(1000), "a fresh start after a success");
+    }
+
+    #[test]
+    fn the_report_says_how_many_strikes_and_for_how_long() {
+        let mut o = Outliers::new(knobs());
+        let t0 = Instant::now();
+        o.asked("a", ("decode", "decode-0"), t0);
+        o.answered("a", t0, 0, 10);
+        for i in 0..3 {
+            o.strike("a", Strike::Stall, t0 + MS(i * 100));
+        }
+        let r = o.report(t0 + MS(1000));
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0]["worker"], "decode-0");
+        assert_eq!(r[0]["standing"], "ejected");
+        assert_eq!(r[0]["why"], "3 stalls in 10 s; ejected for 3.2 s more");
+        // Strikes older than RECENT leave the count.
+        o.strike("a", Strike::Lost, t0 + MS(10_150));
+        let why = o.report(t0 + MS(10_150))[0]["why"].as_str().unwrap().to_string();
+        assert!(why.starts_with("1 stall in 10 s; 1 lost call in 10 s"), "{why}");
+    }
+}
