@@ -411,7 +411,9 @@ impl Loop {
                 Some(waited) if waited >= hold => return Some(Vec::new()),
                 Some(waited) => g = q.wake.wait_timeout(g, hold - waited).unwrap_or_else(|e| e.into_inner()).0,
                 // Idle: wake now and then to beat.
-                None => g = q.wake.wait_timeout(g, pdmesh_worker::alive::IDLE_BEAT).unwrap_or_else(|e| e.into_inner()).0,
+                None => {
+                    g = q.wake.wait_timeout(g, pdmesh_worker::alive::IDLE_BEAT).unwrap_or_else(|e| e.into_inner()).0
+                }
             }
         }
     }

@@ -18,10 +18,10 @@ use tonic::transport::Channel;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::stall::Kind;
 use crate::error::{decode_refusal, retryable, Error};
 use crate::load::{Busy, Overlap, Prompt};
 use crate::pick::{cache_aware, least_busy, prefill_mode, Branch, Candidate, Mode};
+use crate::stall::Kind;
 use crate::state::{AbortOnDrop, Router};
 use crate::validate::Job;
 

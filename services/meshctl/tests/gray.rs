@@ -1,0 +1,152 @@
+//! Gray failures with the real model: a decode worker that stops without
+//! dying. Frozen (SIGSTOP) mid-stream, it stays registered and its port
+//! takes connections, but nothing comes back; with its engine loop stuck
+//! (a fault: the loop sleeps while the worker's other threads answer), it
+//! answers its load polls and says it is stuck. Either way the router
+//! moves the stream to the other decode worker within about a second of
+//! patience, the caller's tokens equal an undisturbed run (none repeated,
+//! none missing), the worker is ejected (the router's /statusz says why)
+//! and, once it moves again, it is picked again.
+// Tests unwrap: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use pdmesh_core::vocab::metric;
+use pdmesh_proto::router::v1 as pb;
+
+type Router = pb::router_client::RouterClient<tonic::transport::Channel>;
+
+/// The decode worker running a sequence now (by its /metrics): id, pid, admin address.
+async fn busy_decode(mesh: &Mesh) -> (String, i32, String) {
+    for i in mesh.registry().healthy("decode").await.unwrap() {
+        let http = i.http_addr.clone().unwrap();
+        let (_, m) = pdmesh_testkit::http_get(&http, "/metrics");
+        if pdmesh_core::http::metric(&m, metric::decode::RUNNING).unwrap_or(0.0) >= 1.0 {
+            return (i.id.clone(), pid_of(&i), http);
+        }
+    }
+    panic!("no decode worker is running the request");
+}
+
+/// The router's /statusz `runtime.workers_out`.
+async fn workers_out(mesh: &Mesh) -> Vec<serde_json::Value> {
+    let r = mesh.instance("router").await;
+    let (_, body) = pdmesh_testkit::http_get(r.http_addr.as_deref().unwrap(), "/statusz");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["runtime"]["workers_out"].as_array().cloned().unwrap_or_default()
+}
+
+/// `stalls_total{kind="decode"}` at the router.
+async fn decode_stalls(mesh: &Mesh) -> f64 {
+    let t = mesh.metrics("router").await;
+    pdmesh_core::http::metric(&t, &format!("{}{{kind=\"decode\"}}", metric::router::STALLS_TOTAL)).unwrap_or(0.0)
+}
+
+/// Run `req`, calling `hit` with the busy decode worker once `after`
+/// tokens arrived; the outcome and what `hit` returned.
+async fn disturbed<T>(
+    mesh: &Mesh,
+    router: &mut Router,
+    req: pb::GenerateRequest,
+    after: usize,
+    hit: impl AsyncFnOnce(&(String, i32, String)) -> T,
+) -> (Outcome, (String, T)) {
+    let mut s = router.generate(req).await.unwrap().into_inner();
+    let (mut o, mut hit, mut done) = (Outcome::default(), Some(hit), None);
+    while let Some(m) = s.message().await.unwrap() {
+        o.take(m);
+        if o.ids.len() >= after {
+            if let Some(h) = hit.take() {
+                let w = busy_decode(mesh).await;
+                let t = h(&w).await;
+                done = Some((w.0, t));
+            }
+        }
+    }
+    (o, done.expect("the request outlived the fault"))
+}
+
+/// Requests until one is served by `worker` (picked again after its
+/// ejection), within `within`.
+async fn served_again(router: &mut Router, req: &pb::GenerateRequest, worker: &str, within: Duration) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        let o = run(router, req.clone()).await.unwrap();
+        if o.finished.unwrap().decode_worker == worker {
+            return true;
+        }
+    }
+    false
+}
+
+fn check_undisturbed(name: &str, o: &Outcome, calm: &Outcome, worker: &str) {
+    let f = o.finished.as_ref().expect("the request finished");
+    eprintln!("{name}: {worker} -> {}, longest gap {:?}", f.decode_worker, o.longest_gap);
+    assert_ne!(f.decode_worker, worker, "{name}: finished on the other decode worker");
+    assert_eq!(o.ids, calm.ids, "{name}: the same tokens as undisturbed, none repeated or missing");
+    assert_eq!(o.text, calm.text, "{name}");
+    // A second of patience, then the prompt and tokens so far prefilled on the other worker.
+    assert!(o.longest_gap < Duration::from_millis(3500), "{name}: the stream stalled {:?}", o.longest_gap);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_or_stuck_decode_worker_costs_a_stream_a_second_and_is_ejected_then_readmitted() {
+    let mesh = tokio::task::block_in_place(|| {
+        Mesh::up_env(
+            &["--decode-replicas", "2", "--threads", "1", "--enable-fault-injection"],
+            &[("PDMESH_UNHEALTHY_AFTER_STALL_S", "1.5")],
+        )
+    });
+    let mut router = mesh.router().await;
+    let req = chat_request("Write a short story about a lighthouse keeper.", 64, true);
+    let calm = run(&mut router, req.clone()).await.unwrap();
+    assert_eq!(calm.ids.len(), 64);
+
+    // Frozen: SIGSTOP for 5 s (the registry's and the transport's timers are longer).
+    let before = decode_stalls(&mesh).await;
+    let (o, (frozen, pid)) = disturbed(&mesh, &mut router, req.clone(), 16, async |(_, pid, _)| {
+        signal(*pid, libc::SIGSTOP);
+        *pid
+    })
+    .await;
+    check_undisturbed("frozen", &o, &calm, &frozen);
+    assert!(decode_stalls(&mesh).await > before, "the router counted the stall");
+    // Still frozen: the router says whom it leaves out, and why.
+    let out = workers_out(&mesh).await;
+    eprintln!("router statusz workers_out: {out:?}");
+    let said = out.iter().find(|w| w["worker"] == frozen.as_str()).unwrap_or_else(|| panic!("{out:?}"));
+    assert!(said["why"].as_str().unwrap().contains("1 stall in 10 s"), "{said}");
+    // Frozen, it is not picked: requests meanwhile go to the other worker, undelayed.
+    let o = run(&mut router, req.clone()).await.unwrap();
+    assert_ne!(o.finished.unwrap().decode_worker, frozen);
+    assert!(o.longest_gap < Duration::from_secs(1), "{:?}", o.longest_gap);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    signal(pid, libc::SIGCONT);
+    assert!(served_again(&mut router, &req, &frozen, Duration::from_secs(60)).await, "{frozen} was not picked again");
+
+    // Stuck: the engine loop sleeps 4 s; the worker answers and says so,
+    // and its health fails meanwhile (1.5 s without progress).
+    let before = decode_stalls(&mesh).await;
+    let (o, (stuck, health)) = disturbed(&mesh, &mut router, req.clone(), 16, async |(id, _, http)| {
+        let (st, body) =
+            pdmesh_core::http::put(http, "/faults/engine.loop_stall_ms/4000", Duration::from_secs(5)).unwrap();
+        assert_eq!(st, 200, "{id}: {body}");
+        let t0 = Instant::now();
+        let mut worst = 200;
+        while t0.elapsed() < Duration::from_secs(4) && worst == 200 {
+            worst = pdmesh_core::http::get(http, "/health", Duration::from_secs(2)).map(|r| r.0).unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        worst
+    })
+    .await;
+    check_undisturbed("stuck", &o, &calm, &stuck);
+    assert!(decode_stalls(&mesh).await > before, "the router counted the stall");
+    assert_eq!(health, 503, "{stuck}: /health failed while its engine loop was stuck");
+    assert!(served_again(&mut router, &req, &stuck, Duration::from_secs(60)).await, "{stuck} was not picked again");
+    mesh.assert_released(Duration::from_secs(30)).await;
+}
