@@ -121,7 +121,7 @@ async fn collect_kind(
 ) -> Result<Vec<serde_json::Value>, String> {
     let mut out = Vec::new();
     for inst in reg.healthy(kind).await.map_err(|e| e.to_string())? {
-        let (health, load) = match &inst.http_addr {
+        let (health, load, left_out) = match &inst.http_addr {
             Some(h) => {
                 let h2 = h.clone();
                 let health = tokio::task::spawn_blocking(move || get(&h2, "/health", Duration::from_secs(2)))
@@ -139,7 +139,8 @@ async fn collect_kind(
                     None => "unreachable",
                 };
                 let mut load = m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({}));
-                if matches!(s, "prefill" | "decode") {
+                let mut left_out = json!(null);
+                if matches!(s, "prefill" | "decode" | "router") {
                     let h4 = h.clone();
                     let st = tokio::task::spawn_blocking(move || get(&h4, "/statusz", Duration::from_secs(2)))
                         .await
@@ -149,12 +150,17 @@ async fn collect_kind(
                     if let Some(t) = v["config"]["transport"].as_str() {
                         load["transport"] = json!(t);
                     }
+                    // A router's own evidence: the workers it leaves out of picking, and why.
+                    left_out = v["runtime"]["workers_out"].clone();
                 }
-                (health, load)
+                (health, load, left_out)
             }
-            None => ("unknown", json!({})),
+            None => ("unknown", json!({}), json!(null)),
         };
         let mut v = json!({ "service": s, "id": inst.id, "grpc_addr": inst.grpc_addr, "http_addr": inst.http_addr, "health": health, "load": load });
+        if left_out.as_array().is_some_and(|a| !a.is_empty()) {
+            v["workers_out"] = left_out;
+        }
         if let Some(p) = &pool {
             v["model"] = json!(p);
         }
@@ -227,6 +233,19 @@ pub async fn run(a: Args) -> Result<(), String> {
             p["restarts"],
             p["last_exit"].as_str().unwrap_or("-")
         );
+    }
+    // Workers a router routes around on its own evidence, whatever discovery says.
+    for r in &list {
+        for w in r["workers_out"].as_array().into_iter().flatten() {
+            println!(
+                "{} by {}: {} {}: {}",
+                w["standing"].as_str().unwrap_or(""),
+                r["id"].as_str().unwrap_or(""),
+                w["kind"].as_str().unwrap_or(""),
+                w["worker"].as_str().unwrap_or(""),
+                w["why"].as_str().unwrap_or("")
+            );
+        }
     }
     // The autoscaler's view: each kind's desired replicas and why.
     for k in autoscaler.iter().flat_map(|a| a["kinds"].as_array().cloned().unwrap_or_default()) {

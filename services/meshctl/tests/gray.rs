@@ -120,6 +120,12 @@ async fn a_frozen_or_stuck_decode_worker_costs_a_stream_a_second_and_is_ejected_
     eprintln!("router statusz workers_out: {out:?}");
     let said = out.iter().find(|w| w["worker"] == frozen.as_str()).unwrap_or_else(|| panic!("{out:?}"));
     assert!(said["why"].as_str().unwrap().contains("1 stall in 10 s"), "{said}");
+    let status = tokio::task::block_in_place(|| {
+        let reg = mesh.dir.join("registry").display().to_string();
+        String::from_utf8(meshctl(&["status"], &["--registry-dir", &reg]).stdout).unwrap()
+    });
+    let line = format!("by router-0: decode {frozen}: 1 stall in 10 s");
+    assert!(status.contains(&line), "meshctl status says {line:?}:\n{status}");
     // Frozen, it is not picked: requests meanwhile go to the other worker, undelayed.
     let o = run(&mut router, req.clone()).await.unwrap();
     assert_ne!(o.finished.unwrap().decode_worker, frozen);

@@ -248,7 +248,7 @@ impl Loads {
     fn forget_gone(&self, live: &HashSet<String>) {
         lock(&self.caches).retain(|addr, _| live.contains(addr));
         lock(&self.polled).retain(|addr, _| live.contains(addr));
-        lock(&self.outliers).retain(|addr| live.contains(addr));
+        lock(&self.outliers).retain(|addr| live.contains(addr), Instant::now());
     }
 }
 

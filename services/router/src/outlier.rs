@@ -132,9 +132,13 @@ impl Outliers {
         e.step_ms = step_ms;
     }
 
-    /// Forget workers no longer in discovery.
-    pub fn retain(&mut self, live: impl Fn(&str) -> bool) {
-        self.by_addr.retain(|a, _| live(a));
+    /// Forget workers no longer in discovery, but only [`RECENT`] after
+    /// their last strike: a frozen worker drops out of discovery too, and
+    /// when it comes back it is probed, not trusted at once.
+    pub fn retain(&mut self, live: impl Fn(&str) -> bool, now: Instant) {
+        self.by_addr.retain(|a, e| {
+            live(a) || e.recent.back().is_some_and(|(t, _)| now.saturating_duration_since(*t) <= RECENT)
+        });
     }
 
     /// How long a stream on `addr` may go without a token, and the worker
@@ -307,6 +311,20 @@ mod tests {
         o.cleared("a");
         assert_eq!(o.standing("a", t0 + MS(1400)), Standing::Good);
         assert_eq!(o.strike("a", Strike::Stall, t0 + MS(1500)), MS(1000), "a fresh start after a success");
+    }
+
+    #[test]
+    fn a_worker_that_left_discovery_keeps_its_strikes_for_a_while() {
+        let mut o = Outliers::new(knobs());
+        let t0 = Instant::now();
+        o.answered("a", t0, 0, 10);
+        o.answered("b", t0, 0, 10);
+        o.strike("a", Strike::Stall, t0);
+        o.retain(|_| false, t0 + MS(5000));
+        assert_eq!(o.standing("a", t0 + MS(5000)), Standing::Probe, "back within 10 s: probed, not trusted");
+        assert_eq!(o.by_addr.len(), 1, "a worker with no strike is forgotten at once");
+        o.retain(|_| false, t0 + MS(10_001));
+        assert_eq!(o.by_addr.len(), 0);
     }
 
     #[test]
