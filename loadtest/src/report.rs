@@ -43,6 +43,9 @@ pub struct Point {
     pub inter_token_s: Option<Percentiles>,
     pub tpot_s: Option<Percentiles>,
     pub e2e_s: Option<Percentiles>,
+    /// The longest any successful stream went without a token, between
+    /// its first and its last (a stall a client saw), in seconds.
+    pub longest_gap_s: f64,
     pub output_tokens: usize,
     /// Prompt tokens of successful requests, and how many of them the
     /// server said came from its prompt cache (when it reports usage).
@@ -93,6 +96,7 @@ pub fn aggregate(concurrency: usize, records: &[Record], wall_s: f64, slo: Slo) 
         inter_token_s: percentiles(ok.iter().flat_map(|r| r.gaps_s.iter().copied()).collect()),
         tpot_s: percentiles(ok.iter().filter_map(|r| tpot(r)).collect()),
         e2e_s: percentiles(ok.iter().map(|r| r.e2e_s).collect()),
+        longest_gap_s: ok.iter().flat_map(|r| r.gaps_s.iter().copied()).fold(0.0, f64::max),
         output_tokens,
         prompt_tokens: ok.iter().filter_map(|r| r.prompt_tokens).sum(),
         cached_tokens: ok.iter().filter_map(|r| r.cached_tokens).sum(),

@@ -23,6 +23,11 @@ pub struct CommonArgs {
     /// and takes none). Unset: the mesh serves one model.
     #[arg(long, env = "PDMESH_POOL", value_parser = check_pool)]
     pub pool: Option<String>,
+    /// The gRPC address peers reach this instance at, announced in
+    /// discovery instead of the listen address: behind a proxy or NAT
+    /// (`scripts/faults.sh` puts a fault proxy there). Default: the listen address.
+    #[arg(long, env = "PDMESH_ADVERTISE_ADDR")]
+    pub advertise_addr: Option<String>,
     /// Instance id in the registry (default: `<service>-<pid>`).
     #[arg(long, env = "PDMESH_INSTANCE_ID")]
     pub instance_id: Option<String>,

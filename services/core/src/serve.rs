@@ -97,7 +97,7 @@ impl Admin {
         Instance {
             service: service.into(),
             id: common.instance_id(service),
-            grpc_addr: grpc_addr.to_string(),
+            grpc_addr: common.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string()),
             http_addr: self.http_addr.map(|a| a.to_string()),
             meta,
         }

@@ -8,9 +8,6 @@ pub struct Config {
     /// gRPC listen address.
     #[arg(long, env = "PDMESH_DECODE_LISTEN", default_value = "127.0.0.1:50061")]
     pub listen: SocketAddr,
-    /// Address prefill workers use to reach this worker (default: the bound listen address).
-    #[arg(long, env = "PDMESH_DECODE_ADVERTISE_ADDR")]
-    pub advertise_addr: Option<String>,
     /// Lease of a transfer ticket, in milliseconds: how long reserved blocks
     /// wait for the prefill's KV before the ticket expires and they are freed.
     #[arg(long, env = "PDMESH_DECODE_LEASE_MS", default_value_t = 30_000)]

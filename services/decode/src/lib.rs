@@ -77,7 +77,8 @@ pub async fn serve(
     let _ = stats.set(batcher.stats.clone());
     let alive = batcher.alive.clone();
     let grpc_addr = listener.local_addr().map_err(|e| ServeError::Setup(e.to_string()))?;
-    agent.address = config.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string());
+    // Prefill workers send KV where everyone else reaches it.
+    agent.address = config.worker.common.advertise_addr.clone().unwrap_or_else(|| grpc_addr.to_string());
     agent.block_bytes = layout.block_bytes() as u64;
     // With NIXL, prefill workers write straight into the registered arena;
     // WriteKv (tcp) stays available for those without it.
