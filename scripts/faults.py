@@ -7,8 +7,12 @@ without a token, and whether greedy requests sent during the fault got the
 same text as before it.
 
 Every phase has the same shape: 1 router (2 for the double kill), 2
-prefill workers, 2 decode workers, all prompts through prefill workers
-(--max-local-prefill 0), --threads 1. decode-0 is meshctl's; decode-x is a
+prefill workers, 2 decode workers, --threads 1, --router-policy
+least-busy (so the faulted worker carries its half), meshctl's defaults
+otherwise: the decode workers prefill these short prompts themselves,
+except in the phases named for prefill and `none-remote` (their
+baseline), where every prompt goes through a prefill worker
+(--max-local-prefill 0). decode-0 is meshctl's; decode-x is a
 copy of its command line started here behind `pdmesh-faultproxy`
 (--advertise-addr), so its link can be delayed, blackholed or reset.
 
@@ -18,7 +22,7 @@ copy of its command line started here behind `pdmesh-faultproxy`
              (PDMESH_ROUTER_STALL_FLOOR_MS=600000): the old behaviour,
              interleaved with the new (before, after, before, after ...).
 
-Phases: none, sigstop-decode, blackhole-decode, delay-decode (300 ms per
+Phases: none, none-remote, sigstop-decode, blackhole-decode, delay-decode (300 ms per
 chunk), sigstop-prefill, double-kill (router-0 and decode-0 SIGKILL within
 1 s; meshctl restarts them), stop-prefill+blackhole-decode.
 Bounded: each phase's load has 48 requests and a 30 s client stall limit.
@@ -38,7 +42,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release")
-PHASES = ["none", "sigstop-decode", "blackhole-decode", "delay-decode", "sigstop-prefill", "double-kill",
+PHASES = ["none", "none-remote", "sigstop-decode", "blackhole-decode", "delay-decode", "sigstop-prefill", "double-kill",
           "stop-prefill+blackhole-decode"]
 FAULT_AT, FAULT_FOR = 3.0, 10.0
 CLIENTS, REQUESTS, TOKENS = 8, 48, 48
@@ -69,7 +73,7 @@ def proxy_mode(ctl, mode):
 
 
 class Mesh:
-    def __init__(self, routers, before):
+    def __init__(self, routers, before, remote):
         self.dir = tempfile.mkdtemp(prefix="pdmesh-faults-")
         self.reg = os.path.join(self.dir, "registry")
         self.gateway = addr()
@@ -80,7 +84,9 @@ class Mesh:
         out = open(os.path.join(self.dir, "up.out"), "w")
         self.up = subprocess.Popen(
             [os.path.join(BIN, "meshctl"), "up", "--gateway-addr", self.gateway, "--registry-dir", self.reg,
-             "--log-dir", os.path.join(self.dir, "logs"), "--threads", "1", "--max-local-prefill", "0",
+             "--router-policy", "least-busy",
+             "--log-dir", os.path.join(self.dir, "logs"), "--threads", "1",
+             "--max-local-prefill", "0" if remote else "256",
              "--prefill-replicas", "2", "--router-replicas", str(routers), "--drain-notice-ms", "300"],
             stdout=out, stderr=subprocess.STDOUT, env=env)
         t0 = time.time()
@@ -179,7 +185,7 @@ def fault(mesh, phase):
 
 
 def run_phase(phase, before):
-    mesh = Mesh(2 if phase == "double-kill" else 1, before)
+    mesh = Mesh(2 if phase == "double-kill" else 1, before, "prefill" in phase or phase == "none-remote")
     try:
         reference = [chat(mesh.gateway, p) for p in GREEDY]
         lt = [os.path.join(BIN, "pdmesh-loadtest"), "--target", mesh.gateway, "--concurrency", str(CLIENTS),

@@ -727,7 +727,9 @@ impl Loop {
     /// slice of the local prefills.
     fn step(&mut self) {
         let local = self.plan_local();
-        let mut runs: Vec<(SeqId, usize)> = self.running.iter().map(|s| (s.id, 1)).collect();
+        // A migrated sequence feeds all its replayed tokens in its first step.
+        let mut runs: Vec<(SeqId, usize)> =
+            self.running.iter().map(|s| (s.id, self.engine.pending(s.id).unwrap_or(1).max(1))).collect();
         runs.extend_from_slice(&local);
         let n = self.running.len() as u32;
         for s in &mut self.running {

@@ -154,16 +154,33 @@ impl Sequence {
         self.tokens.len() - self.n_prompt
     }
 
+    /// Append `token` and decide whether the sequence ends there.
+    fn push(&mut self, token: u32, eog: &[u32], max_ctx: usize, replayed: bool) -> TokenEvent {
+        self.tokens.push(token);
+        let stop =
+            (!self.params.ignore_eos && eog.binary_search(&token).is_ok()) || self.params.stop_ids.contains(&token);
+        self.finish = if stop {
+            Some(FinishReason::Stop)
+        } else if self.generated() >= self.params.max_tokens || self.tokens.len() >= max_ctx {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        TokenEvent { seq: 0, token, finish: self.finish, replayed }
+    }
+
     /// How many pending tokens the next step feeds (at most `chunk`), and
     /// in which summation order. Prompt positions run in the chunks a cold
     /// prefill of the whole prompt would use (`[k * chunk, (k + 1) *
     /// chunk)`), in that chunk's order, so a prompt whose head came from
     /// the prefix cache gets the same bits as one computed from scratch.
+    /// Past the prompt, pending tokens are a migrated sequence's replayed
+    /// ones: each runs as a decode step of its own would (see
+    /// [`Engine::forward_runs`]), however many feed at once.
     fn next_run(&self, chunk: usize) -> (usize, SumOrder) {
         let pending = self.tokens.len() - self.n_cached;
         if self.n_cached >= self.n_prompt {
-            let n = pending.min(chunk);
-            return (n, if n == 1 { SumOrder::VecDot } else { SumOrder::Gemm });
+            return (pending.min(chunk), SumOrder::VecDot);
         }
         let cold_start = self.n_cached / chunk * chunk;
         let cold_end = (cold_start + chunk).min(self.n_prompt);
@@ -223,6 +240,19 @@ impl Sequence {
 }
 
 /// The GPU for `options.backend`, and a line saying where the forward pass runs.
+/// The single-row item of sequence `s` at `pos`, as its decode step feeds it.
+fn decode_row(s: &Sequence, pos: usize, logits: bool) -> BatchItem<'_> {
+    BatchItem {
+        tokens: &s.tokens[pos..pos + 1],
+        start_pos: pos,
+        blocks: &s.blocks,
+        logits,
+        order: SumOrder::VecDot,
+        step_first: pos,
+        step_rows: 1,
+    }
+}
+
 fn open_backend(model: &Model, layout: KvLayout, options: &EngineOptions) -> Result<(Option<Box<CudaModel>>, String)> {
     let on_gpu = |g: CudaModel, why: &str| {
         let (major, minor) = g.gpu.compute_capability;
@@ -599,11 +629,19 @@ impl Engine {
         }
         let items: Vec<BatchItem<'_>> = plan
             .iter()
-            .map(|(id, start, n, last, order, first)| {
+            .flat_map(|(id, start, n, last, order, first)| {
                 let s = &self.seqs[id];
+                if *start >= s.n_prompt && *n > 1 {
+                    // Replayed tokens: one single-row item each, in one
+                    // step. A row's arithmetic does not depend on the other
+                    // items (nor, alone in its item, on neighbours), and
+                    // each item's KV is written before any attends, so each
+                    // row gets the bits its own decode step would have.
+                    return (0..*n).map(|j| decode_row(s, start + j, *last && j + 1 == *n)).collect::<Vec<_>>();
+                }
                 let tokens = &s.tokens[*start..start + n];
                 let (step_first, step_rows) = (*first, start + n - first);
-                BatchItem {
+                vec![BatchItem {
                     tokens,
                     start_pos: *start,
                     blocks: &s.blocks,
@@ -611,7 +649,7 @@ impl Engine {
                     order: *order,
                     step_first,
                     step_rows,
-                }
+                }]
             })
             .collect();
         let mut next = match &mut self.cuda {
@@ -715,16 +753,15 @@ impl Engine {
         // A migrated sequence's next token is the one it already sent.
         let replayed = s.params.replay.get(s.generated()).copied();
         let token = replayed.unwrap_or(token);
-        s.tokens.push(token);
-        let stop = (!s.params.ignore_eos && eog.binary_search(&token).is_ok()) || s.params.stop_ids.contains(&token);
-        s.finish = if stop {
-            Some(FinishReason::Stop)
-        } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= max_ctx {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        Ok(TokenEvent { seq: id, token, finish: s.finish, replayed: replayed.is_some() })
+        let event = s.push(token, eog, max_ctx, replayed.is_some());
+        // On the CPU the rest of the replayed tokens go in now, to be fed in
+        // one step (their logits would only be replaced by them).
+        if replayed.is_some() && self.cuda.is_none() {
+            while let (None, Some(t)) = (s.finish, s.params.replay.get(s.generated()).copied()) {
+                s.push(t, eog, max_ctx, true);
+            }
+        }
+        Ok(TokenEvent { seq: id, ..event })
     }
 
     /// Prefill the prompts of `ids` (in chunks of `prefill_chunk` tokens per
@@ -754,14 +791,19 @@ impl Engine {
     }
 
     /// [`Engine::decode`] with the caller's step options (kernel spans).
+    /// A migrated sequence's replayed tokens all feed in its first decode
+    /// step (on the CPU), each row as its own step would compute it.
     pub fn decode_with(&mut self, ids: &[SeqId], opts: StepOptions) -> Result<Vec<TokenEvent>> {
+        let mut plan = Vec::with_capacity(ids.len());
         for id in ids {
             let s = self.seq(*id)?;
-            if s.tokens.len() - s.n_cached != 1 {
+            let pending = s.tokens.len() - s.n_cached;
+            if pending == 0 || s.n_cached < s.n_prompt {
                 return Err(EngineError::InvalidArgument(format!("sequence {id} is not ready to decode")));
             }
+            plan.push((*id, pending));
         }
-        let out = self.forward_pending(ids, 1, opts)?;
+        let out = self.forward_some(&plan, opts)?;
         out.into_iter().map(|(id, l)| self.accept(id, &l)).collect()
     }
 

@@ -97,8 +97,9 @@ fn seeded(max_tokens: usize) -> SamplingParams {
 
 #[test]
 fn a_replayed_sequence_goes_on_exactly_as_the_one_it_continues() {
-    // A migrated request: the first 10 tokens are replayed (decode steps
-    // compute their KV, as the lost worker did), then sampling goes on.
+    // A migrated request: the first 10 tokens are replayed (their KV
+    // computed as the lost worker's decode steps did, all ten rows in one
+    // step), then sampling goes on.
     let mut f = fixture();
     let prompt = ids(&golden()[1]["chat_ids"]);
     let seeded = seeded(32);
@@ -110,11 +111,14 @@ fn a_replayed_sequence_goes_on_exactly_as_the_one_it_continues() {
         while evs.last().unwrap().finish.is_none() {
             evs.push(f.engine.decode(&[id]).unwrap().remove(0));
         }
+        let tokens = f.engine.generated(id).unwrap().to_vec();
         f.engine.release(id).unwrap();
-        let tokens: Vec<u32> = evs.iter().map(|e| e.token).collect();
         assert_eq!(tokens, whole, "{params:?}");
+        // The prompt's step (it yields the first replayed token), one step
+        // for the other nine, then a step per new token.
+        assert_eq!(evs.len(), 1 + 32 - 10, "{params:?}");
         let replayed: Vec<bool> = evs.iter().map(|e| e.replayed).collect();
-        assert!(replayed[..10].iter().all(|r| *r) && replayed[10..].iter().all(|r| !*r), "{replayed:?}");
+        assert!(replayed[0] && replayed[1..].iter().all(|r| !*r), "{replayed:?}");
     }
     let too_many = SamplingParams { replay: vec![1; 4], ..greedy(4) };
     assert!(matches!(f.engine.add_sequence(prompt.clone(), too_many), Err(EngineError::InvalidArgument(_))));

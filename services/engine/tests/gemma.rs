@@ -358,3 +358,42 @@ fn the_f32_referee_judges_gemma() {
     assert!(worst_gap < 0.06, "a layer is {worst_gap} (relative) from the reference");
     assert!(agreed >= TOKENS * PROMPTS / 2, "the reference follows llama.cpp's greedy tokens for {agreed} in all");
 }
+
+#[test]
+fn a_replayed_gemma_sequence_gets_a_decode_step_s_bits() {
+    // Q4_K and Q6_K products depend on a step's rows: each replayed row is
+    // fed as its own single-row item, so twelve rows in one step get the
+    // logits twelve decode steps would have, bit for bit, and greedy
+    // decoding goes on unchanged.
+    let mut g = gemma();
+    let prompt = g.tok.encode("The lighthouse keeper counted the ships", true).unwrap();
+    let params = SamplingParams { max_tokens: 28, ignore_eos: true, ..Default::default() };
+    let whole = g.engine.generate_all(std::slice::from_ref(&prompt), &params, 1).unwrap().remove(0);
+    let replay = SamplingParams { replay: whole[..12].to_vec(), ..params };
+    let logits_after = |e: &mut Engine, one_by_one: bool| {
+        let id = e.add_sequence(prompt.clone(), replay.clone()).unwrap();
+        e.prefill(&[id]).unwrap();
+        let mut out = Vec::new();
+        while out.is_empty() {
+            let n = if one_by_one { 1 } else { e.pending(id).unwrap() };
+            out = e.forward_some(&[(id, n)], Default::default()).unwrap();
+        }
+        e.release(id).unwrap();
+        match out.pop().unwrap().1 {
+            NextToken::Logits(l) => l,
+            other => panic!("{other:?}"),
+        }
+    };
+    let steps = logits_after(&mut g.engine, true);
+    let at_once = logits_after(&mut g.engine, false);
+    assert!(steps.iter().zip(&at_once).all(|(a, b)| a.to_bits() == b.to_bits()), "the same logits, bit for bit");
+    let id = g.engine.add_sequence(prompt.clone(), replay.clone()).unwrap();
+    let mut events = vec![g.engine.prefill(&[id]).unwrap().remove(0)];
+    while events.last().unwrap().finish.is_none() {
+        events.push(g.engine.decode(&[id]).unwrap().remove(0));
+    }
+    let tokens = g.engine.generated(id).unwrap().to_vec();
+    g.engine.release(id).unwrap();
+    assert_eq!(tokens, whole);
+    assert_eq!(events.len(), 1 + 28 - 12, "the replayed rows ran in one step");
+}

@@ -42,6 +42,13 @@ pub struct Config {
     /// max_tokens used when a request gives none.
     #[arg(long, env = "PDMESH_GATEWAY_DEFAULT_MAX_TOKENS", default_value_t = 256)]
     pub default_max_tokens: u32,
+    /// Patience for a router that stops answering, in ms (at least 100):
+    /// the gateway polls each router's gRPC health every 250 ms; a stream
+    /// with no event this long from a router whose health check has gone
+    /// unanswered as long moves to another router (as when a router dies),
+    /// and the router is left out of picking for a while.
+    #[arg(long, env = "PDMESH_GATEWAY_ROUTER_STALL_FLOOR_MS", default_value_t = 1000)]
+    pub router_stall_floor_ms: u64,
     #[command(flatten)]
     pub keys: KeyArgs,
     #[command(flatten)]
@@ -65,4 +72,17 @@ pub struct KeyArgs {
     /// Default cap on one key's requests per minute (0 = none).
     #[arg(long, env = "PDMESH_GATEWAY_KEY_RPM", default_value_t = 0)]
     pub key_rpm: u32,
+}
+
+impl Config {
+    /// How routers are judged (`--router-stall-floor-ms`), checked.
+    pub fn router_knobs(&self) -> Result<pdmesh_core::outlier::Knobs, String> {
+        if self.router_stall_floor_ms < 100 {
+            return Err(format!("--router-stall-floor-ms must be at least 100, got {}", self.router_stall_floor_ms));
+        }
+        Ok(pdmesh_core::outlier::Knobs {
+            floor: std::time::Duration::from_millis(self.router_stall_floor_ms),
+            ..pdmesh_core::outlier::Knobs::default()
+        })
+    }
 }

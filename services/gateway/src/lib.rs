@@ -54,6 +54,8 @@ pub struct Gateway {
     conns: Arc<front::ConnStats>,
     /// Requests moved to another router after tokens reached their client.
     router_failovers: AtomicU64,
+    /// Each router's liveness, polled (see [`pdmesh_core::outlier`]).
+    watch: Arc<pdmesh_core::outlier::Watch>,
 }
 
 fn render(g: &Gateway, f: Format) -> String {
@@ -462,7 +464,7 @@ async fn respond(g: &Arc<Gateway>, headers: HeaderMap, body: ReqBody, kind: Kind
     parsed.request.request_id = id.clone();
     tracing::Span::current().record(attr::REQUEST_ID, id.as_str());
     let deadline = deadline(g, &headers);
-    let up = match Upstream::open(router, parsed.request, deadline).await {
+    let up = match Upstream::open((router, g.watch.clone()), parsed.request, deadline).await {
         Ok(o) => o,
         Err(r) => return Reply::Done(r),
     };
@@ -681,14 +683,26 @@ pub async fn serve(
         next_id: AtomicU64::new(0),
         outcomes: Outcomes::default(),
         router_failovers: AtomicU64::new(0),
+        watch: Arc::new(pdmesh_core::outlier::Watch::new(config.router_knobs().map_err(ServeError::Setup)?)),
         e2e: Histogram::latency(),
         keys: load_keys(&config)?,
         conns: Arc::default(),
     });
     config.front.check().map_err(ServeError::Setup)?;
+    // Each pool's routers' health, polled: a frozen router is noticed in about a second.
+    let _pollers: Vec<_> = g
+        .routers
+        .iter()
+        .map(|(_, peers)| {
+            let poll = pdmesh_core::outlier::poll_health(peers.clone(), g.watch.clone(), Duration::from_millis(250));
+            pdmesh_core::task::spawn_owned(poll)
+        })
+        .collect();
     let g2 = g.clone();
     let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move |f| render(&g2, f)));
     let admin = Admin::start(&config.common, admin).await?;
+    let _report =
+        pdmesh_core::task::spawn_owned(pdmesh_core::outlier::publish(g.watch.clone(), admin.state.clone(), |_| {}));
     let app = axum::Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))

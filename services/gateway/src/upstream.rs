@@ -5,15 +5,20 @@
 //! a call for seconds before dying leaves the next the full patience). A router lost after tokens
 //! reached the client is replaced too: the request is sent again to another
 //! router with the token ids streamed so far (`resume_ids`), which goes on
-//! after them, so the client sees one unbroken answer.
+//! after them, so the client sees one unbroken answer. A router that
+//! stops answering without dying (frozen, partitioned) counts as lost once
+//! its health check and its stream have both been silent for the patience
+//! (`--router-stall-floor-ms`), and is left out of picking for a while.
 
 use std::time::Duration;
 
 use axum::response::Response;
+use pdmesh_core::outlier::{Silence, Strike, Watch};
 use pdmesh_core::peers::Peers;
 use pdmesh_core::telemetry::{self, SpanExt};
 use pdmesh_core::vocab::{attr, event, rpc};
 use pdmesh_proto::router::v1 as pb;
+use std::sync::Arc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -32,6 +37,8 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(500);
 /// One request's router stream, resumed on another router if it is lost.
 pub struct Upstream {
     routers: Peers,
+    /// What the gateway knows of each router's liveness.
+    watch: Arc<Watch>,
     request: pb::GenerateRequest,
     /// When the request must end.
     until: Instant,
@@ -43,8 +50,9 @@ pub struct Upstream {
     /// The request's span (the gateway's root): every call it makes, the
     /// failovers' too, is its child, so the request stays one trace.
     parent: tracing::Span,
-    /// The router serving the current call (its service id).
+    /// The router serving the current call: its service id and address.
     router: String,
+    addr: String,
     /// Token ids handed out so far.
     sent: Vec<u32>,
     pub failovers: u32,
@@ -53,13 +61,19 @@ pub struct Upstream {
 impl Upstream {
     /// Call a router and wait for its first event, so that refusals get
     /// their own HTTP status.
-    pub async fn open(routers: Peers, request: pb::GenerateRequest, deadline: Duration) -> Result<Upstream, Response> {
+    pub async fn open(
+        (routers, watch): (Peers, Arc<Watch>),
+        request: pb::GenerateRequest,
+        deadline: Duration,
+    ) -> Result<Upstream, Response> {
         let until = Instant::now() + deadline;
         let parent = tracing::Span::current();
-        let (stream, first, rpc, router) = call(&routers, &request, until).await.map_err(|e| e.response())?;
+        let (stream, first, rpc, (router, addr)) =
+            call(&routers, &watch, &request, until).await.map_err(|e| e.response())?;
         let first = Some(first);
         let rpc = telemetry::Held(rpc);
-        Ok(Upstream { routers, request, until, stream, first, rpc, parent, router, sent: Vec::new(), failovers: 0 })
+        let sent = Vec::new();
+        Ok(Upstream { routers, watch, request, until, stream, first, rpc, parent, router, addr, sent, failovers: 0 })
     }
 
     /// The request's client span (the current router call's).
@@ -76,13 +90,16 @@ impl Upstream {
                 // A router that stops sending without closing (frozen, or
                 // stuck) cannot hold the request past its deadline. (The
                 // caller records the error on the span, as for any other.)
-                None => match tokio::time::timeout_at(self.until + DEADLINE_SLACK, self.stream.message()).await {
-                    Ok(m) => m,
-                    Err(_) => return Err(tonic::Status::deadline_exceeded(DEADLINE_MESSAGE)),
+                None => tokio::select! {
+                    m = tokio::time::timeout_at(self.until + DEADLINE_SLACK, self.stream.message()) => match m {
+                        Ok(m) => m,
+                        Err(_) => return Err(tonic::Status::deadline_exceeded(DEADLINE_MESSAGE)),
+                    },
+                    s = self.watch.stopped(&self.addr) => Err(stalled(&self.watch, (&self.router, &self.addr), s)),
                 },
             };
             match m {
-                Err(s) if pdmesh_core::grpc::is_transport(&s) && self.failovers < MAX_FAILOVERS => {
+                Err(s) if lost(&s) && self.failovers < MAX_FAILOVERS => {
                     telemetry::record_status(self.rpc.span(), Some(&s));
                     self.fail_over(s).await?;
                 }
@@ -109,8 +126,8 @@ impl Upstream {
         // the finish): the next router then sends just the finish and usage.
         request.resume_ids = self.sent.clone();
         let why = pdmesh_core::grpc::status_text(&lost);
-        let opened = call(&self.routers, &request, self.until).instrument(self.parent.clone()).await;
-        let (stream, first, rpc, router) = match opened {
+        let opened = call(&self.routers, &self.watch, &request, self.until).instrument(self.parent.clone()).await;
+        let (stream, first, rpc, (router, addr)) = match opened {
             Ok(o) => o,
             Err(e) => {
                 self.failed_over("none", &why);
@@ -120,7 +137,8 @@ impl Upstream {
         rpc.set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
         self.parent.set_attribute(attr::GATEWAY_FAILOVERS, i64::from(self.failovers));
         self.failed_over(&router, &why);
-        (self.stream, self.first, self.rpc, self.router) = (stream, Some(first), telemetry::Held(rpc), router);
+        (self.stream, self.first, self.rpc, self.router, self.addr) =
+            (stream, Some(first), telemetry::Held(rpc), router, addr);
         Ok(())
     }
 
@@ -173,12 +191,34 @@ impl Refused {
 }
 
 /// A router call open to its first event: the stream, that event, the
-/// call's client span, and the router's service id.
-type Opened = (tonic::Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>, tracing::Span, String);
+/// call's client span, and the router's service id and address.
+type Opened = (tonic::Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>, tracing::Span, (String, String));
+
+/// The status of a call whose router stopped answering (`who`: its id and
+/// address): a strike against it; the call counts as lost.
+fn stalled(watch: &Watch, (id, addr): (&str, &str), s: Silence) -> tonic::Status {
+    let backoff = watch.lock().strike(addr, Strike::Stall, std::time::Instant::now());
+    let why = s.describe().replace("load poll", "health check");
+    tracing::warn!(router = id, why = %why, ejected_s = backoff.as_secs_f64(), "router stalled; its stream moves to another");
+    tonic::Status::unavailable(format!("{STALLED}router {id} stalled: {why}"))
+}
+
+/// Marks the status of a stalled router's call (see [`lost`]).
+const STALLED: &str = "[stalled] ";
+
+/// Whether a call's router was lost: its connection failed, or it stalled.
+fn lost(s: &tonic::Status) -> bool {
+    pdmesh_core::grpc::is_transport(s) || (s.code() == tonic::Code::Unavailable && s.message().starts_with(STALLED))
+}
 
 /// A router call up to its first event, asking again (the same router
 /// restarted, or another) while none can be reached, for `ROUTER_PATIENCE`.
-async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) -> Result<Opened, Refused> {
+async fn call(
+    routers: &Peers,
+    watch: &Watch,
+    request: &pb::GenerateRequest,
+    until: Instant,
+) -> Result<Opened, Refused> {
     // The patience runs from the last time a router held the call: one that
     // took it up and died seconds later (a long wait for the first token)
     // leaves the full patience for the next.
@@ -189,7 +229,9 @@ async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) ->
         let left = until.saturating_duration_since(Instant::now());
         let wait = patience(t0).saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
         let list = routers.wait_any(wait).await.ok_or(Refused::NoRouter)?;
-        let inst = &list[attempt % list.len()];
+        // In rotation, but a router the gateway has evidence against goes last.
+        let best = watch.lock().rotate_best(&list, attempt, std::time::Instant::now()).unwrap_or(0);
+        let inst = &list[best];
         let ch = routers.channel(inst).map_err(Refused::Internal)?;
         attempt += 1;
         let (mut req, rpc) = telemetry::client_request(rpc::ROUTER_GENERATE, request.clone());
@@ -201,16 +243,23 @@ async fn call(routers: &Peers, request: &pb::GenerateRequest, until: Instant) ->
             let first = s.message().await?;
             Ok::<_, tonic::Status>((s, first))
         };
+        // A router that stops answering before its first event is lost too.
+        let opened = async {
+            tokio::select! {
+                r = opened => r,
+                s = watch.stopped(&inst.grpc_addr) => Err(stalled(watch, (&inst.id, &inst.grpc_addr), s)),
+            }
+        };
         let sent = Instant::now();
         match tokio::time::timeout(left + DEADLINE_SLACK, opened.instrument(rpc.clone())).await {
-            Ok(Ok((stream, first))) => return Ok((stream, first, rpc, inst.id.clone())),
+            Ok(Ok((stream, first))) => return Ok((stream, first, rpc, (inst.id.clone(), inst.grpc_addr.clone()))),
             Ok(Err(s)) => {
                 telemetry::record_status(&rpc, Some(&s));
                 if sent.elapsed() >= ROUTER_RETRY {
                     t0 = Instant::now(); // it held the call a while: lost, not unreachable
                 }
                 let again = t0.elapsed() + ROUTER_RETRY;
-                if pdmesh_core::grpc::is_transport(&s) && again < patience(t0) {
+                if lost(&s) && again < patience(t0) {
                     tokio::time::sleep(ROUTER_RETRY).await;
                     continue;
                 }

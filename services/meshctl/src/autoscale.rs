@@ -297,17 +297,11 @@ pub fn start(policy: Policy, reg: Arc<dyn Discovery>, state: Shared, tx: tokio::
         })
     });
     let collector = Collector::new(reg, &policy);
-    Task(tokio::spawn(drive(policy, collector, state, Some(act), |_| {})))
+    pdmesh_core::task::spawn_owned(drive(policy, collector, state, Some(act), |_| {}))
 }
 
 /// A task aborted when dropped.
-pub struct Task(tokio::task::JoinHandle<()>);
-
-impl Drop for Task {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
+pub type Task = pdmesh_core::task::AbortOnDrop<()>;
 
 #[derive(clap::Args)]
 pub struct Args {

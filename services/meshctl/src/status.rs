@@ -140,7 +140,7 @@ async fn collect_kind(
                 };
                 let mut load = m.map(|(_, body)| load_of(s, &body)).unwrap_or(json!({}));
                 let mut left_out = json!(null);
-                if matches!(s, "prefill" | "decode" | "router") {
+                if matches!(s, "prefill" | "decode" | "router" | "gateway") {
                     let h4 = h.clone();
                     let st = tokio::task::spawn_blocking(move || get(&h4, "/statusz", Duration::from_secs(2)))
                         .await

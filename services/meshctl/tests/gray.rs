@@ -156,3 +156,79 @@ async fn a_frozen_or_stuck_decode_worker_costs_a_stream_a_second_and_is_ejected_
     assert!(served_again(&mut router, &req, &stuck, Duration::from_secs(60)).await, "{stuck} was not picked again");
     mesh.assert_released(Duration::from_secs(30)).await;
 }
+
+/// The router serving a stream now (by its in-flight gauge): id and pid.
+async fn busy_router(mesh: &Mesh) -> (String, i32) {
+    for i in mesh.registry().healthy("router").await.unwrap() {
+        let (_, m) = pdmesh_testkit::http_get(i.http_addr.as_deref().unwrap(), "/metrics");
+        if pdmesh_core::http::metric(&m, metric::router::IN_FLIGHT).unwrap_or(0.0) >= 1.0 {
+            return (i.id.clone(), pid_of(&i));
+        }
+    }
+    panic!("no router is serving the request");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_router_costs_a_stream_a_second_at_the_gateway() {
+    let mesh = tokio::task::block_in_place(|| Mesh::up(&["--router-replicas", "2", "--threads", "1"]));
+    let body = chat_body(
+        "Write a short story about a lighthouse keeper.",
+        r#","max_tokens":64,"ignore_eos":true,"stream":true"#,
+    );
+    let (calm, _) = tokio::task::block_in_place(|| sse(&mesh.gateway, &body, 0, || {}));
+    // Frozen after 16 tokens: the gateway moves the stream on.
+    let rt = tokio::runtime::Handle::current();
+    let mut frozen = None;
+    let (text, gap) = tokio::task::block_in_place(|| {
+        sse(&mesh.gateway, &body, 16, || {
+            let (id, pid) = rt.block_on(busy_router(&mesh));
+            signal(pid, libc::SIGSTOP);
+            frozen = Some((id, pid));
+        })
+    });
+    let frozen = frozen.expect("the stream outlived the freeze");
+    eprintln!("frozen router {}: longest gap {gap:?}", frozen.0);
+    assert_eq!(text, calm, "the same text as undisturbed, nothing repeated or missing");
+    assert!(gap < Duration::from_millis(3500), "the stream stalled {gap:?}");
+    let gw = mesh.instance("gateway").await;
+    let (_, body) = pdmesh_testkit::http_get(gw.http_addr.as_deref().unwrap(), "/statusz");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let out = v["runtime"]["workers_out"].as_array().cloned().unwrap_or_default();
+    assert!(out.iter().any(|w| w["worker"] == frozen.0.as_str()), "the gateway leaves {} out: {out:?}", frozen.0);
+    signal(frozen.1, libc::SIGCONT);
+}
+
+/// Stream `body` through the gateway, calling `hit` once `after` events
+/// arrived: the text of the deltas, and the longest gap between events.
+fn sse(gateway: &str, body: &str, after: usize, mut hit: impl FnMut()) -> (String, Duration) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(gateway).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close";
+    write!(s, "{head}\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let (mut raw, mut buf, mut gap, mut last, mut hit) =
+        (Vec::new(), [0u8; 4096], Duration::ZERO, None, Some(&mut hit));
+    loop {
+        let k = s.read(&mut buf).unwrap();
+        if k == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..k]);
+        let now = Instant::now();
+        if let Some(t) = last.replace(now) {
+            gap = gap.max(now - t);
+        }
+        if String::from_utf8_lossy(&raw).matches("data:").count() >= after.max(1) {
+            if let Some(h) = hit.take().filter(|_| after > 0) {
+                h();
+            }
+        }
+    }
+    let (code, text) = parse_response(&raw);
+    assert_eq!(code, 200, "{text}");
+    let deltas = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok());
+    (deltas.filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(String::from)).collect(), gap)
+}

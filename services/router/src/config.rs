@@ -120,7 +120,7 @@ impl Policy {
 
 impl Config {
     /// The stall and ejection knobs, checked.
-    pub fn outlier_knobs(&self) -> Result<crate::outlier::Knobs, String> {
+    pub fn outlier_knobs(&self) -> Result<pdmesh_core::outlier::Knobs, String> {
         if self.stall_floor_ms < 100 {
             return Err(format!("--stall-floor-ms must be at least 100, got {}", self.stall_floor_ms));
         }
@@ -130,7 +130,7 @@ impl Config {
                 self.eject_ms, self.eject_max_ms
             ));
         }
-        Ok(crate::outlier::Knobs {
+        Ok(pdmesh_core::outlier::Knobs {
             floor: std::time::Duration::from_millis(self.stall_floor_ms),
             steps: self.stall_steps,
             eject: std::time::Duration::from_millis(self.eject_ms),

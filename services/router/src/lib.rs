@@ -10,7 +10,6 @@ mod dispatch;
 mod error;
 mod flow;
 mod load;
-pub mod outlier;
 pub mod pick;
 mod relay;
 pub mod server;
@@ -103,17 +102,16 @@ fn render(m: &Metrics, f: Format) -> String {
 }
 
 /// Keep /statusz `runtime.workers_out` (which workers this router leaves
-/// out of picking, and why) and its gauge current, every half second.
+/// out of picking, and why) and its gauge current.
 async fn report_outliers(router: Arc<Router>, admin: AdminState) {
-    loop {
-        let r = load::lock(&router.loads.outliers).report(std::time::Instant::now());
+    let m = router.metrics.clone();
+    pdmesh_core::outlier::publish(router.loads.outliers.clone(), admin, move |r| {
         for k in stall::Kind::ALL {
             let n = r.iter().filter(|w| w["kind"] == k.label()).count();
-            router.metrics.workers_out[k as usize].store(n as u64, Ordering::Relaxed);
+            m.workers_out[k as usize].store(n as u64, Ordering::Relaxed);
         }
-        admin.note("workers_out", serde_json::Value::Array(r));
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    })
+    .await
 }
 
 /// Serve the router on `listener` until `shutdown` resolves. Healthy once

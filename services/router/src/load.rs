@@ -18,9 +18,9 @@ use pdmesh_proto::decode::v1 as dpb;
 use pdmesh_proto::prefill::v1 as ppb;
 use tonic::Request;
 
-use crate::outlier::{Outliers, Silence, Standing};
 use crate::pick::{Candidate, Polled};
 use crate::state::AbortOnDrop;
+use pdmesh_core::outlier::{Standing, Watch};
 
 /// This router's in-flight counts and the workers' polled loads, by
 /// address, and its own evidence of which workers have stopped.
@@ -29,7 +29,7 @@ pub struct Loads {
     local: Arc<Mutex<HashMap<String, u32>>>,
     polled: Mutex<HashMap<String, Polled>>,
     caches: Mutex<HashMap<String, WorkerCache>>,
-    pub outliers: Mutex<Outliers>,
+    pub outliers: Arc<Watch>,
 }
 
 /// What the router knows of one worker's prefix cache.
@@ -42,9 +42,6 @@ struct WorkerCache {
     /// log reports them (a burst of equal prompts sticks together).
     sent: HashMap<BlockHash, Instant>,
 }
-
-/// How often a call in progress checks whether its worker has stopped.
-const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 /// How long blocks this router sent count as held before the worker's
 /// own log confirms them.
@@ -96,8 +93,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Loads {
     /// No load known yet; workers judged with `knobs`.
-    pub fn new(knobs: crate::outlier::Knobs) -> Loads {
-        Loads { outliers: Mutex::new(Outliers::new(knobs)), ..Default::default() }
+    pub fn new(knobs: pdmesh_core::outlier::Knobs) -> Loads {
+        Loads { outliers: Arc::new(Watch::new(knobs)), ..Default::default() }
     }
 
     /// Choose one of `list` with `policy` and count a request against it
@@ -115,7 +112,7 @@ impl Loads {
     ) -> Option<(usize, Candidate, Overlap, B, Busy)> {
         let now = Instant::now();
         let standing: Vec<Standing> = {
-            let o = lock(&self.outliers);
+            let o = self.outliers.lock();
             let busy = lock(&self.local);
             list.iter()
                 .map(|i| match o.standing(&i.grpc_addr, now) {
@@ -191,23 +188,6 @@ impl Loads {
         Some((i, candidates[i], overlap, branch, Busy { local: self.local.clone(), addr }))
     }
 
-    /// Resolves once `addr` has stopped (see [`Outliers::silence`]) and
-    /// this has waited at least the worker's patience: race it against a
-    /// call to that worker, started when the call last heard from it.
-    pub async fn stopped(&self, addr: &str) -> Silence {
-        let t0 = Instant::now();
-        loop {
-            tokio::time::sleep(WATCH_EVERY).await;
-            let now = Instant::now();
-            let o = lock(&self.outliers);
-            if now.duration_since(t0) >= o.patience(addr) {
-                if let Some(s) = o.silence(addr, now) {
-                    return s;
-                }
-            }
-        }
-    }
-
     /// The cursor to poll `addr`'s prefix-cache log from.
     fn cache_cursor(&self, addr: &str) -> (u64, u64) {
         lock(&self.caches).get(addr).map(|c| c.mirror.cursor()).unwrap_or_default()
@@ -248,7 +228,7 @@ impl Loads {
     fn forget_gone(&self, live: &HashSet<String>) {
         lock(&self.caches).retain(|addr, _| live.contains(addr));
         lock(&self.polled).retain(|addr, _| live.contains(addr));
-        lock(&self.outliers).retain(|addr| live.contains(addr), Instant::now());
+        self.outliers.lock().retain(|addr| live.contains(addr), Instant::now());
     }
 }
 
@@ -259,8 +239,8 @@ async fn poll_one(loads: &Loads, peers: &Peers, inst: &Instance) -> Option<Polle
     let timeout = Duration::from_secs(5);
     let addr = &inst.grpc_addr;
     let (cache_epoch, cache_seq) = loads.cache_cursor(addr);
-    lock(&loads.outliers).asked(addr, (peers.service(), &inst.id), Instant::now());
-    let answered = |stalled_ms, step_ms| lock(&loads.outliers).answered(addr, Instant::now(), stalled_ms, step_ms);
+    loads.outliers.lock().asked(addr, (peers.service(), &inst.id), Instant::now());
+    let answered = |stalled_ms, step_ms| loads.outliers.lock().answered(addr, Instant::now(), stalled_ms, step_ms);
     if peers.service() == "decode" {
         let mut req = Request::new(dpb::LoadRequest { cache_epoch, cache_seq });
         req.set_timeout(timeout);

@@ -9,9 +9,8 @@ use std::time::Instant;
 
 use tonic::Status;
 
-use crate::load::lock;
-use crate::outlier::{Silence, Strike};
 use crate::state::Router;
+use pdmesh_core::outlier::{Silence, Strike};
 
 /// The kinds of worker a stream waits on, as the stall metrics label them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,7 +34,7 @@ impl Router {
     /// `kind` worker `name` (at `addr`) stopped under a call: a strike
     /// against it, counted; the status that ends the call.
     pub(crate) fn stalled(&self, kind: Kind, addr: &str, name: &str, s: Silence) -> Status {
-        let backoff = lock(&self.loads.outliers).strike(addr, Strike::Stall, Instant::now());
+        let backoff = self.loads.outliers.lock().strike(addr, Strike::Stall, Instant::now());
         self.metrics.stalls[kind as usize].fetch_add(1, Ordering::Relaxed);
         self.metrics.ejections[kind as usize].fetch_add(1, Ordering::Relaxed);
         let why = s.describe();
@@ -45,13 +44,13 @@ impl Router {
 
     /// A call to `addr` was lost at the transport: a strike against it.
     pub(crate) fn lost(&self, kind: Kind, addr: &str) {
-        lock(&self.loads.outliers).strike(addr, Strike::Lost, Instant::now());
+        self.loads.outliers.lock().strike(addr, Strike::Lost, Instant::now());
         self.metrics.ejections[kind as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// `addrs` served a request to its end: their strikes are cleared.
     pub(crate) fn served(&self, addrs: &[&str]) {
-        let mut o = lock(&self.loads.outliers);
+        let mut o = self.loads.outliers.lock();
         for a in addrs {
             o.cleared(a);
         }

@@ -119,13 +119,6 @@ pub struct Router {
     pub next_ticket: AtomicU64,
 }
 
-/// Aborts a spawned task when dropped.
-pub struct AbortOnDrop<T>(pub tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
+pub use pdmesh_core::task::AbortOnDrop;
 
 pub type Tx = mpsc::Sender<Result<pb::GenerateResponse, Status>>;

@@ -67,7 +67,11 @@ async fn open(mode: &mut watch::Receiver<Mode>) -> bool {
 }
 
 /// Copy `from` to `to` under the mode, until either side closes or a reset.
-async fn pump(mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf, mut mode: watch::Receiver<Mode>) {
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut mode: watch::Receiver<Mode>,
+) {
     let mut buf = vec![0u8; 64 << 10];
     loop {
         if !open(&mut mode).await {

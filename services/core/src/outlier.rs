@@ -1,15 +1,22 @@
-//! The router's own evidence about each worker, which wins over what
-//! discovery says: whether it answers its Load polls, whether its engine
-//! loop moves, and the stalls and losses its calls met. A worker that
-//! stops making progress is routed around: its streams move elsewhere
-//! ([`crate::relay`]) and it is ejected from picking for a backoff that
-//! doubles with each strike in a row, then probed with one request; a
-//! request it serves to the end clears its strikes.
+//! A caller's own evidence about each peer it calls, which wins over what
+//! discovery says: whether it answers its polls (a router polls its
+//! workers' Load, the gateway its routers' gRPC health), whether its
+//! engine loop moves, and the stalls and losses its calls met. A peer that
+//! stops making progress is routed around: the calls waiting on it move
+//! elsewhere and it is ejected from picking for a backoff that doubles with
+//! each strike in a row, then probed with one request; a request it serves
+//! to the end clears its strikes.
 //!
-//! Pure bookkeeping over instants, so it is tested with no network.
+//! [`Outliers`] is pure bookkeeping over instants, tested with no network;
+//! [`Watch`] shares it between a poller and the calls, and
+//! [`poll_health`] is the poller for peers that have only gRPC health.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use crate::discovery::Instance;
+use crate::peers::Peers;
 
 /// The patience and ejection knobs (`--stall-floor-ms`, `--stall-steps`,
 /// `--eject-ms`, `--eject-max-ms`).
@@ -19,6 +26,18 @@ pub struct Knobs {
     pub steps: u32,
     pub eject: Duration,
     pub eject_max: Duration,
+}
+
+impl Default for Knobs {
+    /// A second's patience (or 8 steps), ejections from 1 s up to 30 s.
+    fn default() -> Knobs {
+        Knobs {
+            floor: Duration::from_secs(1),
+            steps: 8,
+            eject: Duration::from_secs(1),
+            eject_max: Duration::from_secs(30),
+        }
+    }
 }
 
 /// How far back `meshctl status` counts a worker's strikes.
@@ -107,12 +126,7 @@ impl Outliers {
     }
 
     fn knobs(&self) -> Knobs {
-        self.knobs.unwrap_or(Knobs {
-            floor: Duration::from_secs(1),
-            steps: 8,
-            eject: Duration::from_secs(1),
-            eject_max: Duration::from_secs(30),
-        })
+        self.knobs.unwrap_or_default()
     }
 
     /// A Load poll is about to be sent to `addr`, a `kind` worker named `name`.
@@ -196,6 +210,13 @@ impl Outliers {
         }
     }
 
+    /// The instance of `list` to try first, from `start` in rotation: the
+    /// first in the best standing (None when `list` is empty).
+    pub fn rotate_best(&self, list: &[Instance], start: usize, now: Instant) -> Option<usize> {
+        let n = list.len();
+        (0..n).map(|k| (start + k) % n).min_by_key(|&i| self.standing(&list[i].grpc_addr, now))
+    }
+
     /// Where `addr` stands for picking at `now`.
     pub fn standing(&self, addr: &str, now: Instant) -> Standing {
         let Some(e) = self.by_addr.get(addr) else { return Standing::Good };
@@ -250,6 +271,95 @@ impl Outliers {
             Standing::Good => {}
         }
         parts.join("; ")
+    }
+}
+
+/// [`Outliers`] shared between a poller and the calls that wait on peers.
+#[derive(Debug, Default)]
+pub struct Watch(Mutex<Outliers>);
+
+/// How often a call in progress checks whether its peer has stopped.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
+
+impl Watch {
+    pub fn new(knobs: Knobs) -> Watch {
+        Watch(Mutex::new(Outliers::new(knobs)))
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Outliers> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resolves once `addr` has stopped (see [`Outliers::silence`]) and
+    /// this has waited at least its patience: race it against a call to
+    /// that peer, started when the call last heard from it.
+    pub async fn stopped(&self, addr: &str) -> Silence {
+        let t0 = Instant::now();
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            let now = Instant::now();
+            let o = self.lock();
+            if now.duration_since(t0) >= o.patience(addr) {
+                if let Some(s) = o.silence(addr, now) {
+                    return s;
+                }
+            }
+        }
+    }
+}
+
+/// Poll the gRPC health of every instance of `peers` every `every` (one
+/// poller per instance: one that does not answer delays no other) into
+/// `watch`, and forget the instances that left discovery, forever.
+pub async fn poll_health(peers: Peers, watch: Arc<Watch>, every: Duration) {
+    let mut pollers: HashMap<String, crate::task::AbortOnDrop<()>> = HashMap::new();
+    loop {
+        let live: Vec<Instance> = peers.instances();
+        for inst in &live {
+            if !pollers.contains_key(&inst.grpc_addr) {
+                let task = crate::task::spawn_owned(poll_one_health(peers.clone(), watch.clone(), inst.clone(), every));
+                pollers.insert(inst.grpc_addr.clone(), task);
+            }
+        }
+        pollers.retain(|a, _| live.iter().any(|i| &i.grpc_addr == a));
+        watch.lock().retain(|a| live.iter().any(|i| i.grpc_addr == a), Instant::now());
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Keep `admin`'s /statusz `runtime.workers_out` (the peers left out of
+/// picking, and why) current every half second, handing each report to
+/// `also` (the router counts them for a gauge), forever.
+pub async fn publish(watch: Arc<Watch>, admin: crate::admin::AdminState, also: impl Fn(&[serde_json::Value])) {
+    loop {
+        let r = watch.lock().report(Instant::now());
+        also(&r);
+        admin.note("workers_out", serde_json::Value::Array(r));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn poll_one_health(peers: Peers, watch: Arc<Watch>, inst: Instance, every: Duration) {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    loop {
+        if let Ok(ch) = peers.channel(&inst) {
+            watch.lock().asked(&inst.grpc_addr, (peers.service(), &inst.id), Instant::now());
+            let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
+            req.set_timeout(Duration::from_secs(5));
+            // Any answer is an answer (NOT_SERVING is a draining peer, not
+            // a frozen one); a timeout or a lost connection is none.
+            let answered = match HealthClient::new(ch).check(req).await {
+                Ok(_) => true,
+                Err(e) => {
+                    !crate::grpc::peer_lost(&e)
+                        && !matches!(e.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded)
+                }
+            };
+            if answered {
+                watch.lock().answered(&inst.grpc_addr, Instant::now(), 0, 0);
+            }
+        }
+        tokio::time::sleep(every).await;
     }
 }
 
