@@ -84,7 +84,7 @@ class Mesh:
         out = open(os.path.join(self.dir, "up.out"), "w")
         self.up = subprocess.Popen(
             [os.path.join(BIN, "meshctl"), "up", "--gateway-addr", self.gateway, "--registry-dir", self.reg,
-             "--router-policy", "least-busy",
+             "--router-policy", "least-busy", *self.jaeger_flags(),
              "--log-dir", os.path.join(self.dir, "logs"), "--threads", "1",
              "--max-local-prefill", "0" if remote else "256",
              "--prefill-replicas", "2", "--router-replicas", str(routers), "--drain-notice-ms", "300"],
@@ -96,6 +96,12 @@ class Mesh:
             time.sleep(0.5)
         self.extra = []
         self.start_proxied_decode()
+
+    def jaeger_flags(self):
+        """PDMESH_FAULTS_JAEGER=HOST:PORT: trace every request into a Jaeger
+        there (`meshctl explain` then says where a slow one's time went)."""
+        ui = os.environ.get("PDMESH_FAULTS_JAEGER")
+        return ["--jaeger", "--jaeger-ui-addr", ui] if ui else []
 
     def instances(self, service):
         out = subprocess.run([os.path.join(BIN, "meshctl"), "status", "--json", "--registry-dir", self.reg],

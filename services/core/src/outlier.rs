@@ -155,24 +155,26 @@ impl Outliers {
         });
     }
 
-    /// How long a stream on `addr` may go without a token, and the worker
-    /// without progress, before it counts as stalled: the floor, or
-    /// `steps` of its recent step time if longer.
+    /// How long `addr`'s engine loop may go without progress before it
+    /// counts as stuck: the floor, or `steps` of its recent step time if
+    /// longer (a long step on a device shows no progress inside it). An
+    /// unanswered poll needs only the floor: another thread answers it,
+    /// however long the steps.
     pub fn patience(&self, addr: &str) -> Duration {
         let k = self.knobs();
         let step = self.by_addr.get(addr).map_or(0, |e| e.step_ms);
         k.floor.max(Duration::from_millis(u64::from(step) * u64::from(k.steps)))
     }
 
-    /// Whether `addr` has stopped as far as the router can tell, at `now`:
-    /// a Load unanswered for its patience, or an answer saying its loop has
-    /// not moved for that long (counting the time since the answer).
+    /// Whether `addr` has stopped as far as the caller can tell, at `now`:
+    /// a poll unanswered for the floor, or an answer saying its loop has
+    /// not moved for its patience (counting the time since the answer).
     pub fn silence(&self, addr: &str, now: Instant) -> Option<Silence> {
         let e = self.by_addr.get(addr)?;
         let patience = self.patience(addr);
         if let Some(t) = e.unanswered_since {
             let d = now.saturating_duration_since(t);
-            if d >= patience {
+            if d >= self.knobs().floor {
                 return Some(Silence::Silent(d));
             }
         }
@@ -291,15 +293,15 @@ impl Watch {
     }
 
     /// Resolves once `addr` has stopped (see [`Outliers::silence`]) and
-    /// this has waited at least its patience: race it against a call to
-    /// that peer, started when the call last heard from it.
+    /// this has waited at least the floor: race it against a call to that
+    /// peer, started when the call last heard from it.
     pub async fn stopped(&self, addr: &str) -> Silence {
         let t0 = Instant::now();
         loop {
             tokio::time::sleep(WATCH_EVERY).await;
             let now = Instant::now();
             let o = self.lock();
-            if now.duration_since(t0) >= o.patience(addr) {
+            if now.duration_since(t0) >= o.knobs().floor {
                 if let Some(s) = o.silence(addr, now) {
                     return s;
                 }
@@ -397,11 +399,14 @@ mod tests {
         o.answered("a", t0, 700, 20);
         assert_eq!(o.silence("a", t0 + MS(200)), None);
         assert_eq!(o.silence("a", t0 + MS(300)), Some(Silence::Stuck(MS(1000))));
-        // Steps of 250 ms: 8 of them (2 s) before a stall.
+        // Steps of 250 ms: 8 of them (2 s) before a stuck loop counts.
         o.answered("b", t0, 1500, 250);
         assert_eq!(o.patience("b"), MS(2000));
         assert_eq!(o.silence("b", t0 + MS(400)), None);
         assert!(o.silence("b", t0 + MS(500)).is_some());
+        // An unanswered poll needs only the floor, however long its steps.
+        o.asked("b", ("prefill", "prefill-1"), t0 + MS(100));
+        assert_eq!(o.silence("b", t0 + MS(1100)), Some(Silence::Silent(MS(1000))));
     }
 
     #[test]
