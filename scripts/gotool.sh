@@ -31,6 +31,11 @@ out="$cache/$tool-$version/$tool"
 if [ -x "$out" ]; then echo "$out"; exit 0; fi
 command -v go >/dev/null || { echo "gotool.sh: Go is needed to build $tool (this machine kind ships Go 1.26)" >&2; exit 1; }
 mkdir -p "$cache"
+# One build per tool at a time: a second caller (CI starts the builds early,
+# in the background) waits for the first and takes its binary.
+exec 9> "$cache/$tool.lock"
+flock 9
+if [ -x "$out" ]; then echo "$out"; exit 0; fi
 work=$(mktemp -d "$cache/$tool-build.XXXXXX")
 trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
 t0=$(date +%s)
