@@ -68,13 +68,14 @@ pub struct Config {
     #[arg(long, env = "PDMESH_ROUTER_MAX_IN_FLIGHT", default_value_t = 4096)]
     pub max_in_flight: u64,
     /// Patience for a worker that stops making progress, in ms: a stream
-    /// with no token for this long (or `--stall-steps` of the worker's
-    /// recent step time, if longer), on a worker that has not answered its
-    /// load poll for as long or says its engine loop is stuck, moves to
-    /// another worker (no token repeated) and the worker is ejected.
+    /// with no event for this long, on a worker that has not answered its
+    /// load poll for as long or says its engine loop is stuck (see
+    /// `--stall-steps`), moves to another worker (no token repeated) and
+    /// the worker is ejected.
     #[arg(long, env = "PDMESH_ROUTER_STALL_FLOOR_MS", default_value_t = 1000)]
     pub stall_floor_ms: u64,
-    /// Patience in steps of the worker's own recent step time (see `--stall-floor-ms`).
+    /// A worker whose engine loop has not moved counts as stuck after this
+    /// many of its own recent step times, when longer than `--stall-floor-ms`.
     #[arg(long, env = "PDMESH_ROUTER_STALL_STEPS", default_value_t = 8)]
     pub stall_steps: u32,
     /// A worker whose call stalled or was lost is left out of picking this

@@ -343,8 +343,8 @@ struct Tries {
 }
 
 /// The job of a request continued after `sent` tokens (a migration, or a
-/// resumed request): a decode worker replays them (computing their KV by
-/// decode steps, as the lost worker did, so what follows is what it would
+/// resumed request): a decode worker replays them (computing their KV as
+/// the lost worker's decode steps did, so what follows is what it would
 /// have sent) and goes on.
 fn continued(job: &Job, sent: &[u32]) -> Job {
     Job { replay: sent.to_vec(), ..job.clone() }

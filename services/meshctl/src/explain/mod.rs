@@ -418,6 +418,16 @@ mod tests {
             "{}",
             e.sentence
         );
+        // A worker that stopped answering stalled, in the router's words.
+        let stalled = "Unavailable: decode worker decode-0 stalled: no answer to its load poll for 1.0 s";
+        let router = spans.iter_mut().find(|s| s.name == rpc::ROUTER_GENERATE).unwrap();
+        router.events[0].attrs.insert(attr::FAILOVER_STATUS.into(), stalled.into());
+        let e = explain(&spans).unwrap();
+        assert!(
+            e.sentence.starts_with("Decode worker decode-0 stalled after 20 tokens (no answer to its load poll for 1.0 s); the request moved"),
+            "{}",
+            e.sentence
+        );
     }
 
     fn shifted(spans: Vec<Span>, ms: u64, tag: char) -> Vec<Span> {

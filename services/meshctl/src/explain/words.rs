@@ -458,6 +458,19 @@ pub fn sentence(top: &Part, brief: &str, total_ms: f64, attempts: &[AttemptSumma
 /// where the request went on; else failed calls (a worker that died under
 /// a call) and refusals, counted, not listed. `failed` and `refused` are
 /// the time the timeline charges to each (ms, share), named as the cost.
+/// How a peer was lost, from its call's status: `stalled` (it stopped
+/// answering; the words after the caller's `stalled: `) or `was lost`
+/// (the status in full), and that detail in parentheses.
+fn lost_or_stalled(status: Option<&str>) -> (&'static str, String) {
+    match status {
+        Some(s) => match s.split_once(" stalled: ") {
+            Some((_, why)) => ("stalled", format!(" ({why})")),
+            None => ("was lost", format!(" ({s})")),
+        },
+        None => ("was lost", String::new()),
+    }
+}
+
 pub fn mishaps(spans: &[Span], all: &[Attempt], failed: (f64, f64), refused: (f64, f64)) -> String {
     let mut said: Vec<String> = Vec::new();
     let events = |name: &'static str| {
@@ -469,11 +482,11 @@ pub fn mishaps(spans: &[Span], all: &[Attempt], failed: (f64, f64), refused: (f6
     for e in events(event::ROUTER_FAILOVER) {
         let (from, to) = (a(e, attr::FAILOVER_FROM).unwrap_or_default(), a(e, attr::FAILOVER_TO).unwrap_or_default());
         let (after, why) = (a(e, attr::FAILOVER_AFTER_TOKENS).unwrap_or_default(), a(e, attr::FAILOVER_STATUS));
-        let why = why.map(|w| format!(" ({w})")).unwrap_or_default();
+        let (lost, why) = lost_or_stalled(why.as_deref());
         said.push(if to == "none" || to.is_empty() {
-            format!("Router {from} was lost after {after} tokens{why} and no other router took the request")
+            format!("Router {from} {lost} after {after} tokens{why} and no other router took the request")
         } else {
-            format!("Router {from} was lost after {after} tokens{why}; the gateway resumed the stream on {to}")
+            format!("Router {from} {lost} after {after} tokens{why}; the gateway resumed the stream on {to}")
         });
     }
     // Where each migration went: the decode worker of the `route` span after it.
@@ -493,10 +506,10 @@ pub fn mishaps(spans: &[Span], all: &[Attempt], failed: (f64, f64), refused: (f6
                 Some(why) => format!("Decode worker {from} drained after {after} tokens; shipping their KV to {to} failed ({why}), so {to} replayed them"),
                 None => format!("Decode worker {from} drained after {after} tokens and shipped their KV to {to} (nothing replayed)"),
             },
-            why => format!(
-                "Decode worker {from} was lost after {after} tokens{}; the request moved to {to} and replayed {after} tokens",
-                why.map(|w| format!(" ({w})")).unwrap_or_default()
-            ),
+            why => {
+                let (lost, why) = lost_or_stalled(why);
+                format!("Decode worker {from} {lost} after {after} tokens{why}; the request moved to {to} and replayed {after} tokens")
+            }
         });
     }
     if migrations.is_empty() {
