@@ -292,19 +292,24 @@ impl Watch {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Resolves once `addr` has stopped (see [`Outliers::silence`]) and
-    /// this has waited at least the floor: race it against a call to that
-    /// peer, started when the call last heard from it.
-    pub async fn stopped(&self, addr: &str) -> Silence {
+    /// Resolves once `addr` has stopped (see [`Outliers::silence`]), this
+    /// has waited at least the floor, and another instance of `peers` is
+    /// not silent (with nowhere better to go, a call waits on: the peer may
+    /// come back, and the call still ends at its deadline). Race it against
+    /// a call to that peer, started when the call last heard from it.
+    pub async fn stopped(&self, addr: &str, peers: &Peers) -> Silence {
         let t0 = Instant::now();
         loop {
             tokio::time::sleep(WATCH_EVERY).await;
             let now = Instant::now();
+            if now.duration_since(t0) < self.lock().knobs().floor {
+                continue;
+            }
+            let others = peers.instances();
             let o = self.lock();
-            if now.duration_since(t0) >= o.knobs().floor {
-                if let Some(s) = o.silence(addr, now) {
-                    return s;
-                }
+            let Some(s) = o.silence(addr, now) else { continue };
+            if others.iter().any(|i| i.grpc_addr != addr && o.silence(&i.grpc_addr, now).is_none()) {
+                return s;
             }
         }
     }

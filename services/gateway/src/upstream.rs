@@ -95,7 +95,7 @@ impl Upstream {
                         Ok(m) => m,
                         Err(_) => return Err(tonic::Status::deadline_exceeded(DEADLINE_MESSAGE)),
                     },
-                    s = self.watch.stopped(&self.addr) => Err(stalled(&self.watch, (&self.router, &self.addr), s)),
+                    s = self.watch.stopped(&self.addr, &self.routers) => Err(stalled(&self.watch, (&self.router, &self.addr), s)),
                 },
             };
             match m {
@@ -247,7 +247,7 @@ async fn call(
         let opened = async {
             tokio::select! {
                 r = opened => r,
-                s = watch.stopped(&inst.grpc_addr) => Err(stalled(watch, (&inst.id, &inst.grpc_addr), s)),
+                s = watch.stopped(&inst.grpc_addr, routers) => Err(stalled(watch, (&inst.id, &inst.grpc_addr), s)),
             }
         };
         let sent = Instant::now();

@@ -346,7 +346,7 @@ impl Router {
         // A decode worker that stopped does not answer: go elsewhere.
         let opened = tokio::select! {
             r = opened => r,
-            s = self.loads.outliers.stopped(&d.inst.grpc_addr) => Err(self.stalled(Kind::Decode, &d.inst.grpc_addr, &d.inst.id, s)),
+            s = self.loads.outliers.stopped(&d.inst.grpc_addr, &self.decode) => Err(self.stalled(Kind::Decode, &d.inst.grpc_addr, &d.inst.id, s)),
         };
         match opened {
             Ok((stream, cached_tokens)) => {

@@ -123,12 +123,12 @@ impl Router {
             let waits_on_prefill = prefill.is_some() && out.generated.len() == before;
             let msg = tokio::select! {
                 m = dstream.message() => m,
-                s = self.loads.outliers.stopped(&decode_addr) => {
+                s = self.loads.outliers.stopped(&decode_addr, &self.decode) => {
                     let e = self.stalled(Kind::Decode, &decode_addr, &pair.workers[1], s);
                     telemetry::record_status(pair.decode_rpc.span(), Some(&e));
                     return Err(if out.generated.is_empty() { Failed::Decode(e, true) } else { Failed::Migrate(e) });
                 }
-                s = self.loads.outliers.stopped(prefill_addr.as_deref().unwrap_or_default()), if waits_on_prefill => {
+                s = self.loads.outliers.stopped(prefill_addr.as_deref().unwrap_or_default(), &self.prefill), if waits_on_prefill => {
                     let addr = prefill_addr.as_deref().unwrap_or_default();
                     return Err(Failed::Prefill(self.stalled(Kind::Prefill, addr, &pair.workers[0], s), true));
                 }
