@@ -33,6 +33,9 @@ pub enum Error {
     ClientGone,
     /// The router serves its limit of requests at once.
     Busy { limit: u64 },
+    /// A worker stopped making progress under a call: its kind, its name
+    /// and how (the call moves elsewhere; see `crate::stall`).
+    Stalled { kind: &'static str, name: String, why: String },
     /// A broken invariant or an unusable channel (a bug).
     Internal(String),
 }
@@ -48,6 +51,7 @@ impl From<Error> for Status {
             Error::DecodeDraining => Status::unavailable("the request's decode worker drained"),
             Error::Deadline(m) => Status::deadline_exceeded(m),
             Error::ClientGone => Status::cancelled("client went away"),
+            Error::Stalled { kind, name, why } => Status::unavailable(format!("{kind} worker {name} stalled: {why}")),
             Error::Busy { limit } => {
                 let mut s = Status::resource_exhausted(format!(
                     "the router serves {limit} requests at once, its limit; retry shortly"

@@ -19,8 +19,8 @@ use pdmesh_proto::prefill::v1 as ppb;
 use tonic::Request;
 
 use crate::pick::{Candidate, Polled};
-use crate::state::AbortOnDrop;
 use pdmesh_core::outlier::{Standing, Watch};
+use pdmesh_core::task::AbortOnDrop;
 
 /// This router's in-flight counts and the workers' polled loads, by
 /// address, and its own evidence of which workers have stopped.

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use tonic::Status;
 
+use crate::error::Error;
 use crate::state::Router;
 use pdmesh_core::outlier::{Silence, Strike};
 
@@ -39,7 +40,7 @@ impl Router {
         self.metrics.ejections[kind as usize].fetch_add(1, Ordering::Relaxed);
         let why = s.describe();
         tracing::warn!(worker = name, kind = kind.label(), why = %why, ejected_s = backoff.as_secs_f64(), "worker stalled; its stream moves elsewhere");
-        Status::unavailable(format!("{} worker {name} stalled: {why}", kind.label()))
+        Error::Stalled { kind: kind.label(), name: name.to_string(), why }.into()
     }
 
     /// A call to `addr` was lost at the transport: a strike against it.
