@@ -689,7 +689,12 @@ pub async fn serve(
         conns: Arc::default(),
     });
     config.front.check().map_err(ServeError::Setup)?;
-    // Each pool's routers' health, polled: a frozen router is noticed in about a second.
+    let g2 = g.clone();
+    let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move |f| render(&g2, f)));
+    let admin = Admin::start(&config.common, admin).await?;
+    // Each pool's routers' health, polled: a frozen router is noticed in about
+    // a second. After Admin::start, which installs mesh TLS: the channels the
+    // pollers open speak it.
     let _pollers: Vec<_> = g
         .routers
         .iter()
@@ -698,9 +703,6 @@ pub async fn serve(
             pdmesh_core::task::spawn_owned(poll)
         })
         .collect();
-    let g2 = g.clone();
-    let admin = AdminState::new("gateway", json!({ "config": config }), Arc::new(move |f| render(&g2, f)));
-    let admin = Admin::start(&config.common, admin).await?;
     let _report =
         pdmesh_core::task::spawn_owned(pdmesh_core::outlier::publish(g.watch.clone(), admin.state.clone(), |_| {}));
     let app = axum::Router::new()
