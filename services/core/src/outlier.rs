@@ -73,10 +73,11 @@ pub enum Silence {
 }
 
 impl Silence {
-    /// In words, for the stalled stream's status and span.
-    pub fn describe(&self) -> String {
+    /// In words, for the stalled stream's status and span; `poll` names
+    /// what went unanswered (see [`Outliers::poll`]).
+    pub fn describe(&self, poll: &str) -> String {
         match self {
-            Silence::Silent(d) => format!("no answer to its load poll for {:.1} s", d.as_secs_f64()),
+            Silence::Silent(d) => format!("no answer to its {poll} for {:.1} s", d.as_secs_f64()),
             Silence::Stuck(d) => format!("its engine loop made no progress for {:.1} s", d.as_secs_f64()),
         }
     }
@@ -117,12 +118,19 @@ struct Evidence {
 #[derive(Debug, Default)]
 pub struct Outliers {
     knobs: Option<Knobs>,
+    /// What the poller asks (`load poll`, `health check`), for the words.
+    poll: Option<&'static str>,
     by_addr: HashMap<String, Evidence>,
 }
 
 impl Outliers {
     pub fn new(knobs: Knobs) -> Outliers {
-        Outliers { knobs: Some(knobs), by_addr: HashMap::new() }
+        Outliers { knobs: Some(knobs), poll: None, by_addr: HashMap::new() }
+    }
+
+    /// What the poller asks, in words: `load poll` unless set otherwise.
+    pub fn poll(&self) -> &'static str {
+        self.poll.unwrap_or("load poll")
     }
 
     fn knobs(&self) -> Knobs {
@@ -264,7 +272,9 @@ impl Outliers {
             }
         }
         match standing {
-            Standing::Silent => parts.push(self.silence(addr, now).map(|s| s.describe()).unwrap_or_default()),
+            Standing::Silent => {
+                parts.push(self.silence(addr, now).map(|s| s.describe(self.poll())).unwrap_or_default())
+            }
             Standing::Ejected => {
                 let left = e.ejected_until.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
                 parts.push(format!("ejected for {:.1} s more", left.as_secs_f64()));
@@ -286,6 +296,11 @@ const WATCH_EVERY: Duration = Duration::from_millis(100);
 impl Watch {
     pub fn new(knobs: Knobs) -> Watch {
         Watch(Mutex::new(Outliers::new(knobs)))
+    }
+
+    /// [`Watch::new`] for peers polled by `poll` (its name in the words).
+    pub fn polling(knobs: Knobs, poll: &'static str) -> Watch {
+        Watch(Mutex::new(Outliers { poll: Some(poll), ..Outliers::new(knobs) }))
     }
 
     pub fn lock(&self) -> MutexGuard<'_, Outliers> {

@@ -683,7 +683,10 @@ pub async fn serve(
         next_id: AtomicU64::new(0),
         outcomes: Outcomes::default(),
         router_failovers: AtomicU64::new(0),
-        watch: Arc::new(pdmesh_core::outlier::Watch::new(config.router_knobs().map_err(ServeError::Setup)?)),
+        watch: Arc::new(pdmesh_core::outlier::Watch::polling(
+            config.router_knobs().map_err(ServeError::Setup)?,
+            "health check",
+        )),
         e2e: Histogram::latency(),
         keys: load_keys(&config)?,
         conns: Arc::default(),

@@ -197,8 +197,10 @@ type Opened = (tonic::Streaming<pb::GenerateResponse>, Option<pb::GenerateRespon
 /// The status of a call whose router stopped answering (`who`: its id and
 /// address): a strike against it; the call counts as lost.
 fn stalled(watch: &Watch, (id, addr): (&str, &str), s: Silence) -> tonic::Status {
-    let backoff = watch.lock().strike(addr, Strike::Stall, std::time::Instant::now());
-    let why = s.describe().replace("load poll", "health check");
+    let (backoff, why) = {
+        let mut o = watch.lock();
+        (o.strike(addr, Strike::Stall, std::time::Instant::now()), s.describe(o.poll()))
+    };
     tracing::warn!(router = id, why = %why, ejected_s = backoff.as_secs_f64(), "router stalled; its stream moves to another");
     tonic::Status::unavailable(format!("{STALLED}router {id} stalled: {why}"))
 }

@@ -35,10 +35,12 @@ impl Router {
     /// `kind` worker `name` (at `addr`) stopped under a call: a strike
     /// against it, counted; the status that ends the call.
     pub(crate) fn stalled(&self, kind: Kind, addr: &str, name: &str, s: Silence) -> Status {
-        let backoff = self.loads.outliers.lock().strike(addr, Strike::Stall, Instant::now());
+        let (backoff, why) = {
+            let mut o = self.loads.outliers.lock();
+            (o.strike(addr, Strike::Stall, Instant::now()), s.describe(o.poll()))
+        };
         self.metrics.stalls[kind as usize].fetch_add(1, Ordering::Relaxed);
         self.metrics.ejections[kind as usize].fetch_add(1, Ordering::Relaxed);
-        let why = s.describe();
         tracing::warn!(worker = name, kind = kind.label(), why = %why, ejected_s = backoff.as_secs_f64(), "worker stalled; its stream moves elsewhere");
         Error::Stalled { kind: kind.label(), name: name.to_string(), why }.into()
     }
